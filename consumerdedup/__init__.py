@@ -1,0 +1,48 @@
+"""consumerdedup: effectively-once message handling on a SQL database.
+
+A handler wrapped by a Deduplicator runs check -> BEGIN -> handle -> INSERT
+processed_events -> COMMIT, and the broker is acked only after COMMIT.
+"""
+
+from .async_deduplicator import AsyncDedupHandler, AsyncDeduplicator
+from .deduplicator import Deduplicator, DedupHandler
+from .errors import (
+    ConfigurationError,
+    ConsumerDedupError,
+    DecodeError,
+    InvalidMessage,
+    PayloadMismatch,
+    PermanentError,
+    RecordedFailure,
+    RetryLater,
+)
+from .message import MAX_ID_LENGTH, Message
+from .observe import OutcomeCounts
+from .outcome import Outcome, Result
+from .retry import RetryPolicy
+from .schema import Tables, install
+from .settings import DeadLetterFailed
+
+__all__ = [
+    "MAX_ID_LENGTH",
+    "AsyncDedupHandler",
+    "AsyncDeduplicator",
+    "ConfigurationError",
+    "ConsumerDedupError",
+    "DeadLetterFailed",
+    "DecodeError",
+    "DedupHandler",
+    "Deduplicator",
+    "InvalidMessage",
+    "Message",
+    "Outcome",
+    "OutcomeCounts",
+    "PayloadMismatch",
+    "PermanentError",
+    "RecordedFailure",
+    "Result",
+    "RetryLater",
+    "RetryPolicy",
+    "Tables",
+    "install",
+]

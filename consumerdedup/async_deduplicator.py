@@ -1,0 +1,152 @@
+"""AsyncDeduplicator: the same pipeline, awaited, on SQLAlchemy's AsyncSession."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, overload
+
+import tenacity
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from . import sqlite
+from .message import Message
+from .outcome import Outcome, Result
+from .pipeline import (
+    Attempt,
+    AttemptReport,
+    CallHandler,
+    Commit,
+    EndSavepoint,
+    Execute,
+    Op,
+    Pipeline,
+    Rollback,
+    Savepoint,
+)
+from .retry import RetryPolicy
+from .schema import DEFAULT, Tables
+from .settings import DeduplicatorSettings, Observer
+
+AsyncHandlerFn = Callable[[Message, AsyncSession], Awaitable[Any]]
+
+
+class AsyncDeduplicator(DeduplicatorSettings):
+    """Deduplicator for asyncio: ``@dedup.handler`` wraps ``async fn(message, session)``.
+
+    ``dead_letter`` may be a plain function or a coroutine function.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        consumer: str,
+        *,
+        tables: Tables = DEFAULT,
+        retry: RetryPolicy | None = None,
+        dead_letter: Callable[[Result], Any] | None = None,
+        observers: Iterable[Observer] = (),
+        session_factory: Callable[[], AsyncSession] | None = None,
+    ) -> None:
+        super().__init__(
+            engine.dialect.name,
+            consumer,
+            tables=tables,
+            retry=retry,
+            dead_letter=dead_letter,
+            observers=observers,
+        )
+        self.engine = engine
+        if session_factory is None:
+            ours = AsyncEngine(sqlite.prepare(engine.sync_engine))
+            session_factory = async_sessionmaker(ours, expire_on_commit=False)
+        self.session_factory = session_factory
+
+    @overload
+    def handler(self, fn: AsyncHandlerFn, /) -> AsyncDedupHandler: ...
+    @overload
+    def handler(
+        self, *, claim_first: bool = False
+    ) -> Callable[[AsyncHandlerFn], AsyncDedupHandler]: ...
+    def handler(
+        self, fn: AsyncHandlerFn | None = None, /, *, claim_first: bool = False
+    ) -> AsyncDedupHandler | Callable[[AsyncHandlerFn], AsyncDedupHandler]:
+        """Wrap ``async fn(message, session)``; ``claim_first`` records the key before calling it."""
+        if fn is not None:
+            return AsyncDedupHandler(self, fn, claim_first)
+        return lambda f: AsyncDedupHandler(self, f, claim_first)
+
+
+class AsyncDedupHandler:
+    """A wrapped coroutine handler: ``await handler(message)`` gives an Outcome."""
+
+    def __init__(self, dedup: AsyncDeduplicator, fn: AsyncHandlerFn, claim_first: bool) -> None:
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"{fn!r} must be an async def function taking (message, session)")
+        self.dedup = dedup
+        self.fn = fn
+        self.pipeline: Pipeline = dedup.pipeline(claim_first)
+        self.__wrapped__ = fn
+        self.__doc__ = fn.__doc__
+
+    async def __call__(self, message: Message) -> Outcome:
+        return (await self.process(message)).outcome
+
+    async def batch(self, messages: Sequence[Message]) -> list[Outcome]:
+        """One transaction for many messages; one Outcome per message, in order."""
+        return [result.outcome for result in await self.process_batch(messages)]
+
+    async def process(self, message: Message) -> Result:
+        return (await self.process_batch([message]))[0]
+
+    async def process_batch(self, messages: Sequence[Message]) -> list[Result]:
+        slots, items = self.pipeline.start(messages)
+        if items:
+            retrying = tenacity.AsyncRetrying(**self.dedup.retrying_options())
+            await retrying(self._attempt, items)
+        return [await self._settle(result) for result in self.pipeline.finish(slots)]
+
+    async def _attempt(self, items: Any) -> AttemptReport:
+        async with self.dedup.session_factory() as session:
+            return await self._drive(self.pipeline.attempt(items), session)
+
+    async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
+        reply: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                op = attempt.send(reply) if error is None else attempt.throw(error)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            reply, error = None, None
+            try:
+                reply = await self._carry_out(op, session)
+            except Exception as exc:
+                error = exc
+
+    async def _carry_out(self, op: Op, session: AsyncSession) -> Any:
+        match op:
+            case Execute(statement, params, read):
+                return read(await session.execute(statement, params))
+            case CallHandler(message):
+                return await self.fn(message, session)
+            case Savepoint():
+                return await session.begin_nested()
+            case EndSavepoint(handle, commit):
+                return await (handle.commit() if commit else handle.rollback())
+            case Commit():
+                return await session.commit()
+            case Rollback():
+                return await session.rollback()
+
+    async def _settle(self, result: Result) -> Result:
+        if result.outcome is Outcome.FAILED and self.dedup.dead_letter is not None:
+            try:
+                told = self.dedup.dead_letter(result)
+                if inspect.isawaitable(told):
+                    await told
+            except Exception as exc:
+                result = self.dedup.dead_letter_failed(result, exc)
+        self.dedup.account(result)
+        return result
+

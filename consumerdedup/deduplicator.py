@@ -1,0 +1,145 @@
+"""Deduplicator: the pipeline on blocking SQLAlchemy sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, overload
+
+import tenacity
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import sqlite
+from .message import Message
+from .outcome import Outcome, Result
+from .pipeline import (
+    Attempt,
+    AttemptReport,
+    CallHandler,
+    Commit,
+    EndSavepoint,
+    Execute,
+    Op,
+    Pipeline,
+    Rollback,
+    Savepoint,
+)
+from .retry import RetryPolicy
+from .schema import DEFAULT, Tables
+from .settings import DeduplicatorSettings, Observer
+
+HandlerFn = Callable[[Message, Session], Any]
+
+
+class Deduplicator(DeduplicatorSettings):
+    """Runs handlers effectively once per (consumer, message id) on a blocking engine.
+
+    ``@dedup.handler`` wraps ``fn(message, session)``; every write the handler
+    makes on ``session`` commits together with the dedup record, or not at all.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        consumer: str,
+        *,
+        tables: Tables = DEFAULT,
+        retry: RetryPolicy | None = None,
+        dead_letter: Callable[[Result], Any] | None = None,
+        observers: Iterable[Observer] = (),
+        session_factory: Callable[[], Session] | None = None,
+    ) -> None:
+        super().__init__(
+            engine.dialect.name,
+            consumer,
+            tables=tables,
+            retry=retry,
+            dead_letter=dead_letter,
+            observers=observers,
+        )
+        self.engine = engine
+        self.session_factory = session_factory or sessionmaker(
+            sqlite.prepare(engine), expire_on_commit=False
+        )
+
+    @overload
+    def handler(self, fn: HandlerFn, /) -> DedupHandler: ...
+    @overload
+    def handler(self, *, claim_first: bool = False) -> Callable[[HandlerFn], DedupHandler]: ...
+    def handler(
+        self, fn: HandlerFn | None = None, /, *, claim_first: bool = False
+    ) -> DedupHandler | Callable[[HandlerFn], DedupHandler]:
+        """Wrap ``fn(message, session)``; ``claim_first`` records the key before calling it."""
+        if fn is not None:
+            return DedupHandler(self, fn, claim_first)
+        return lambda f: DedupHandler(self, f, claim_first)
+
+
+class DedupHandler:
+    """A wrapped handler: call it with a Message, get an Outcome."""
+
+    def __init__(self, dedup: Deduplicator, fn: HandlerFn, claim_first: bool) -> None:
+        self.dedup = dedup
+        self.fn = fn
+        self.pipeline: Pipeline = dedup.pipeline(claim_first)
+        self.__wrapped__ = fn
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, message: Message) -> Outcome:
+        return self.process(message).outcome
+
+    def batch(self, messages: Sequence[Message]) -> list[Outcome]:
+        """One transaction for many messages; one Outcome per message, in order."""
+        return [result.outcome for result in self.process_batch(messages)]
+
+    def process(self, message: Message) -> Result:
+        return self.process_batch([message])[0]
+
+    def process_batch(self, messages: Sequence[Message]) -> list[Result]:
+        slots, items = self.pipeline.start(messages)
+        if items:
+            retrying = tenacity.Retrying(**self.dedup.retrying_options())
+            retrying(self._attempt, items)
+        return [self._settle(result) for result in self.pipeline.finish(slots)]
+
+    def _attempt(self, items: Any) -> AttemptReport:
+        with self.dedup.session_factory() as session:
+            return self._drive(self.pipeline.attempt(items), session)
+
+    def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
+        reply: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                op = attempt.send(reply) if error is None else attempt.throw(error)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            reply, error = None, None
+            try:
+                reply = self._carry_out(op, session)
+            except Exception as exc:
+                error = exc
+
+    def _carry_out(self, op: Op, session: Session) -> Any:
+        match op:
+            case Execute(statement, params, read):
+                return read(session.execute(statement, params))
+            case CallHandler(message):
+                return self.fn(message, session)
+            case Savepoint():
+                return session.begin_nested()
+            case EndSavepoint(handle, commit):
+                return handle.commit() if commit else handle.rollback()
+            case Commit():
+                return session.commit()
+            case Rollback():
+                return session.rollback()
+
+    def _settle(self, result: Result) -> Result:
+        if result.outcome is Outcome.FAILED and self.dedup.dead_letter is not None:
+            try:
+                self.dedup.dead_letter(result)
+            except Exception as exc:
+                result = self.dedup.dead_letter_failed(result, exc)
+        self.dedup.account(result)
+        return result

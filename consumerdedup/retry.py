@@ -1,0 +1,76 @@
+"""Which errors are worth another attempt, and how long to wait before it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import timedelta
+
+import sqlalchemy.exc
+import tenacity
+
+from .errors import ConfigurationError, PermanentError, RetryLater
+
+# SQLSTATE classes that mean "the same statement can succeed if tried again":
+# connection exceptions, serialization failure, deadlock, and the server
+# shutting down or starting up.
+_TRANSIENT_SQLSTATES = ("08", "40001", "40P01", "57P01", "57P02", "57P03", "53300")
+
+
+class ErrorKind(enum.Enum):
+    PERMANENT = "permanent"
+    TRANSIENT = "transient"
+    UNKNOWN = "unknown"
+    """Transient until the attempts run out, then permanent: a poison message must end."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded in-process retries with exponential backoff and jitter (tenacity).
+
+    ``attempts`` counts every try of a message, the first included.
+    ``transient`` and ``permanent`` extend the built-in classification with
+    the caller's own exception types.
+    """
+
+    attempts: int = 4
+    initial_delay: timedelta = timedelta(milliseconds=50)
+    max_delay: timedelta = timedelta(seconds=2)
+    transient: tuple[type[BaseException], ...] = ()
+    permanent: tuple[type[BaseException], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ConfigurationError(f"attempts must be an int >= 1, got {self.attempts!r}")
+        if self.initial_delay < timedelta(0) or self.max_delay < self.initial_delay:
+            raise ConfigurationError("need 0 <= initial_delay <= max_delay")
+
+    def backoff(self) -> tenacity.wait.wait_base:
+        initial = self.initial_delay.total_seconds()
+        return tenacity.wait_exponential_jitter(
+            initial=initial, max=self.max_delay.total_seconds(), jitter=initial
+        )
+
+    def classify(self, exc: BaseException) -> ErrorKind:
+        if isinstance(exc, self.permanent):
+            return ErrorKind.PERMANENT
+        if isinstance(exc, self.transient):
+            return ErrorKind.TRANSIENT
+        return classify(exc)
+
+
+def classify(exc: BaseException) -> ErrorKind:
+    """The built-in rules: named errors first, then what the database driver says."""
+    if isinstance(exc, PermanentError):
+        return ErrorKind.PERMANENT
+    if isinstance(exc, RetryLater | TimeoutError | ConnectionError):
+        return ErrorKind.TRANSIENT
+    if isinstance(exc, sqlalchemy.exc.DBAPIError):
+        if exc.connection_invalidated or isinstance(exc, sqlalchemy.exc.OperationalError):
+            return ErrorKind.TRANSIENT
+        sqlstate = getattr(exc.orig, "sqlstate", None) or ""
+        if sqlstate.startswith(_TRANSIENT_SQLSTATES):
+            return ErrorKind.TRANSIENT
+    if isinstance(exc, sqlalchemy.exc.DisconnectionError | sqlalchemy.exc.TimeoutError):
+        return ErrorKind.TRANSIENT
+    return ErrorKind.UNKNOWN

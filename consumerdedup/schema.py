@@ -1,0 +1,133 @@
+"""The library's tables, as SQLAlchemy Core objects users can merge into Alembic.
+
+``tables = Tables.define(metadata=my_metadata)`` adds them to your own
+MetaData (so ``alembic revision --autogenerate`` sees them); ``install(engine)``
+creates them directly, idempotently.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Engine,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.schema import CreateIndex, CreateTable
+
+from .errors import ConfigurationError
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+ID_LENGTH = 255
+
+
+def split_name(name: str) -> tuple[str | None, str]:
+    """Split ``"schema.table"`` and validate both parts as SQL identifiers."""
+    parts = name.split(".") if isinstance(name, str) else [name]
+    if len(parts) > 2 or not all(isinstance(p, str) and _IDENTIFIER.match(p) for p in parts):
+        raise ConfigurationError(
+            f"invalid table name {name!r}: use letters, digits and _ "
+            "(at most 63 each, not starting with a digit), optionally as schema.table"
+        )
+    return (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
+
+
+# SQLite makes only an INTEGER PRIMARY KEY an alias of its rowid (auto-increment).
+_BIGINT_ID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The processed_events and outbox tables, under names you choose."""
+
+    metadata: MetaData
+    processed_events: Table
+    outbox: Table
+
+    @classmethod
+    def define(
+        cls,
+        processed_events: str = "processed_events",
+        outbox: str = "outbox",
+        metadata: MetaData | None = None,
+    ) -> Tables:
+        metadata = metadata if metadata is not None else MetaData()
+        pe_schema, pe_name = split_name(processed_events)
+        ob_schema, ob_name = split_name(outbox)
+        pe = Table(
+            pe_name,
+            metadata,
+            Column("consumer", String(ID_LENGTH), primary_key=True),
+            Column("message_id", String(ID_LENGTH), primary_key=True),
+            Column("processed_at", DateTime(timezone=True), nullable=False),
+            Column("payload_hash", String(64), nullable=False),
+            Column("outcome", String(16), nullable=False),
+            # Why a FAILED message failed, so a redelivery is dead-lettered with the same reason.
+            Column("error", Text, nullable=True),
+            Index(f"ix_{pe_name}_processed_at", "processed_at"),
+            schema=pe_schema,
+        )
+        ob = Table(
+            ob_name,
+            metadata,
+            Column("id", _BIGINT_ID, Identity(), primary_key=True),
+            Column("event_id", String(64), nullable=False, unique=True),
+            Column("destination", String(ID_LENGTH), nullable=False),
+            Column("key", String(ID_LENGTH), nullable=True),
+            Column("body", LargeBinary, nullable=False),
+            Column("headers", JSON, nullable=False),
+            Column("created_at", DateTime(timezone=True), nullable=False),
+            Column("attempts", Integer, nullable=False, server_default=text("0")),
+            Column("available_at", DateTime(timezone=True), nullable=False),
+            Column("published_at", DateTime(timezone=True), nullable=True),
+            Column("last_error", Text, nullable=True),
+            Index(f"ix_{ob_name}_unpublished", "published_at", "available_at", "id"),
+            schema=ob_schema,
+        )
+        return cls(metadata=metadata, processed_events=pe, outbox=ob)
+
+    @property
+    def all(self) -> tuple[Table, Table]:
+        return (self.processed_events, self.outbox)
+
+
+DEFAULT = Tables.define()
+metadata = DEFAULT.metadata
+processed_events = DEFAULT.processed_events
+outbox = DEFAULT.outbox
+
+
+def install(engine: Engine, tables: Tables = DEFAULT) -> None:
+    """Create the schemas and tables that are missing; safe to run any number of times."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            for schema in sorted({t.schema for t in tables.all if t.schema}):
+                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+        tables.metadata.create_all(conn, tables=list(tables.all), checkfirst=True)
+
+
+def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
+    """The CREATE statements ``install`` would run, for review or a migration tool."""
+    statements: list[str] = []
+    for schema in sorted({t.schema for t in tables.all if t.schema}):
+        if engine.dialect.name == "postgresql":
+            statements.append(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+    for table in tables.all:
+        statements.append(str(CreateTable(table).compile(dialect=engine.dialect)).strip())
+        for index in sorted(table.indexes, key=lambda i: str(i.name)):
+            statements.append(str(CreateIndex(index).compile(dialect=engine.dialect)).strip())
+    return ";\n\n".join(statements) + ";\n"

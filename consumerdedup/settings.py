@@ -1,0 +1,75 @@
+"""What the blocking and asyncio deduplicators share: settings, retries, bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import tenacity
+
+from .errors import ConfigurationError, PermanentError
+from .observe import OutcomeCounts, log_result
+from .outcome import Outcome, Result
+from .pipeline import AttemptReport, Pipeline
+from .retry import RetryPolicy
+from .schema import DEFAULT, Tables
+from .statements import Statements
+
+Observer = Callable[[Result], None]
+
+
+class DeadLetterFailed(PermanentError):
+    """The dead-letter callback raised: the message is left for redelivery instead of acked."""
+
+
+class DeduplicatorSettings:
+    """Consumer name, tables, retry policy and the hooks told about every outcome."""
+
+    def __init__(
+        self,
+        dialect: str,
+        consumer: str,
+        *,
+        tables: Tables = DEFAULT,
+        retry: RetryPolicy | None = None,
+        dead_letter: Callable[[Result], Any] | None = None,
+        observers: Iterable[Observer] = (),
+    ) -> None:
+        if not isinstance(consumer, str) or not consumer:
+            raise ConfigurationError("consumer must be a non-empty str naming this consumer")
+        self.consumer = consumer
+        self.tables = tables
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.dead_letter = dead_letter
+        self.observers = tuple(observers)
+        self.counts = OutcomeCounts()
+        self._statements = Statements(tables, dialect)
+        self._backoff = self.retry.backoff()
+
+    def pipeline(self, claim_first: bool) -> Pipeline:
+        return Pipeline(self._statements, self.consumer, self.retry, claim_first)
+
+    def retrying_options(self) -> dict[str, Any]:
+        """Keep attempting while items are undecided; the pipeline bounds the attempts."""
+        return {
+            "stop": tenacity.stop_never,
+            "wait": self._wait,
+            "retry": tenacity.retry_if_result(lambda report: report.pending),
+            "reraise": True,
+        }
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        assert state.outcome is not None
+        report: AttemptReport = state.outcome.result()
+        return float(self._backoff(state)) if report.backoff else 0.0
+
+    def dead_letter_failed(self, result: Result, exc: Exception) -> Result:
+        error = DeadLetterFailed(f"dead-letter callback raised {exc!r} for: {result.reason}")
+        error.__cause__ = exc
+        return Result(result.message, Outcome.RETRY, error, result.attempts)
+
+    def account(self, result: Result) -> None:
+        self.counts.add(result.outcome)
+        log_result(self.consumer, result)
+        for observer in self.observers:
+            observer(result)
