@@ -47,9 +47,8 @@ class RetryPolicy:
 
     def backoff(self) -> tenacity.wait.wait_base:
         initial = self.initial_delay.total_seconds()
-        return tenacity.wait_exponential_jitter(
-            initial=initial, max=self.max_delay.total_seconds(), jitter=initial
-        )
+        exponential = tenacity.wait_exponential(multiplier=initial, max=self.max_delay)
+        return exponential + tenacity.wait_random(0, initial)
 
     def classify(self, exc: BaseException) -> ErrorKind:
         if isinstance(exc, self.permanent):

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from consumerdedup import Tables, install
+from tests import services
+
+
+@dataclass
+class Database:
+    """One isolated database for a test: its own schema on PostgreSQL, its own file on SQLite."""
+
+    dialect: str
+    url: str
+    async_url: str
+    schema: str | None
+    engine: Engine
+    tables: Tables
+
+    def name(self, table: str) -> str:
+        """A table name qualified with this test's schema, for raw SQL."""
+        return f"{self.schema}.{table}" if self.schema else table
+
+    def async_engine(self) -> AsyncEngine:
+        return create_async_engine(self.async_url, **_engine_options(self.dialect))
+
+    def scalar(self, sql: str) -> object:
+        with self.engine.connect() as conn:
+            return conn.execute(text(sql)).scalar()
+
+    def create_ledger(self) -> str:
+        """The business table of most tests: no unique key, so only dedup prevents doubles."""
+        name = self.name("ledger")
+        with self.engine.begin() as conn:
+            conn.execute(
+                text(f"CREATE TABLE {name} (account VARCHAR(64), amount INTEGER, message_id TEXT)")
+            )
+        return name
+
+
+def _engine_options(dialect: str) -> dict[str, object]:
+    if dialect == "sqlite":
+        return {"connect_args": {"timeout": 30}}
+    return {"pool_size": 20, "max_overflow": 10}
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    return services.postgres_url()
+
+
+def _sqlite(tmp_path: Path) -> Iterator[Database]:
+    path = tmp_path / "test.db"
+    engine = create_engine(f"sqlite:///{path}", **_engine_options("sqlite"))
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    tables = Tables.define()
+    install(engine, tables)
+    yield Database("sqlite", f"sqlite:///{path}", f"sqlite+aiosqlite:///{path}", None, engine, tables)
+    engine.dispose()
+
+
+def _postgres(url: str) -> Iterator[Database]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(url, **_engine_options("postgresql"))
+    tables = Tables.define(f"{schema}.processed_events", f"{schema}.outbox")
+    install(engine, tables)
+    async_url = make_url(url).set(drivername="postgresql+psycopg").render_as_string(False)
+    try:
+        yield Database("postgresql", url, async_url, schema, engine, tables)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """Each test using it runs on SQLite and on the real PostgreSQL."""
+    if request.param == "sqlite":
+        yield from _sqlite(tmp_path)
+    else:
+        yield from _postgres(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture
+def pg(postgres_url: str) -> Iterator[Database]:
+    """PostgreSQL only: for tests of what SQLite cannot do (true concurrent writers)."""
+    yield from _postgres(postgres_url)
+
+
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> Iterator[Database]:
+    yield from _sqlite(tmp_path)
+
+
+@pytest.fixture(params=["sync", "async"])
+def flavor(request: pytest.FixtureRequest, db: Database) -> Iterator[object]:
+    """Deduplicator or AsyncDeduplicator, on whichever database ``db`` is."""
+    from tests.flavors import AsyncFlavor, SyncFlavor
+
+    chosen = SyncFlavor(db) if request.param == "sync" else AsyncFlavor(db)
+    yield chosen
+    chosen.close()
