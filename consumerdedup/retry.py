@@ -47,7 +47,9 @@ class RetryPolicy:
 
     def backoff(self) -> tenacity.wait.wait_base:
         initial = self.initial_delay.total_seconds()
-        exponential = tenacity.wait_exponential(multiplier=initial, max=self.max_delay)
+        exponential = tenacity.wait_exponential(
+            multiplier=initial, max=self.max_delay.total_seconds()
+        )
         return exponential + tenacity.wait_random(0, initial)
 
     def classify(self, exc: BaseException) -> ErrorKind:
