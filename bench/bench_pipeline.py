@@ -460,7 +460,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--messages", type=int, help="per per-message scenario (default 3000)")
     parser.add_argument("--batch-messages", type=int, help="per .batch scenario (default 30000)")
     parser.add_argument("--quick", action="store_true", help="a fast smoke run (300 / 3000)")
-    parser.add_argument("--rounds", type=int, help="round-robin slices (default 3, quick 1)")
+    parser.add_argument("--rounds", type=int, help="round-robin slices (default 5, quick 1)")
     parser.add_argument("--warmup", type=int, help="warm-up messages per scenario (default 200)")
     parser.add_argument("--body-size", type=int, default=256, help="message body bytes")
     parser.add_argument("--url", default=None, help="overrides CONSUMERDEDUP_BENCH_PG_URL")
@@ -475,7 +475,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.batch_messages is None:
         args.batch_messages = 3000 if quick else 30000
     if args.rounds is None:
-        args.rounds = 1 if quick else 3
+        args.rounds = 1 if quick else 5
     if args.warmup is None:
         args.warmup = 50 if quick else 200
     if args.messages < args.rounds or args.batch_messages < args.rounds or args.rounds < 1:

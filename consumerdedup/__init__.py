@@ -15,6 +15,7 @@ from .errors import (
     PermanentError,
     RecordedFailure,
     RetryLater,
+    SimulatedCrash,
 )
 from .message import MAX_ID_LENGTH, Message
 from .observe import OutcomeCounts
@@ -43,6 +44,7 @@ __all__ = [
     "Result",
     "RetryLater",
     "RetryPolicy",
+    "SimulatedCrash",
     "Tables",
     "install",
 ]

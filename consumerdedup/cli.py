@@ -81,8 +81,9 @@ def parse_url(raw: str | None) -> URL:
             "postgresql://user@host:5432/db or sqlite:///path/to/file.db"
         ) from None
     _SECRETS.discard(raw)
-    if url.password:
-        _SECRETS.add(str(url.password))
+    query_passwords = [v for k, v in url.query.items() if "pass" in k.lower()]  # ?password=
+    for secret in [url.password, *query_passwords]:
+        _SECRETS.update([secret] if isinstance(secret, str) else secret or ())
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
     if url.get_backend_name() not in SUPPORTED:
@@ -94,7 +95,7 @@ def parse_url(raw: str | None) -> URL:
 
 
 def shown(url: URL) -> str:
-    return url.render_as_string(hide_password=True)
+    return scrub(url.render_as_string(hide_password=True))
 
 
 def _setup(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:

@@ -198,8 +198,11 @@ def test_unreachable_database_is_a_runtime_error() -> None:
     assert "connect" in run.err.lower()
 
 
-def test_unreachable_database_with_verbose_shows_a_traceback_but_not_the_password() -> None:
-    run = cli("stats", "--db", UNREACHABLE, "--verbose")
+@pytest.mark.parametrize("url", [UNREACHABLE, "postgresql://alice@127.0.0.1:1/x?password=s3cr3tpw"])
+def test_unreachable_database_with_verbose_shows_a_traceback_but_not_the_password(
+    url: str,
+) -> None:
+    run = cli("stats", "--db", url, "--verbose")
     assert run.code == 1
     assert "Traceback" in run.err
     assert run.err_lines[-1].startswith("consumerdedup: error: ")
@@ -283,11 +286,14 @@ def seed(url: str, tables: Tables) -> None:
     ]
     engine = create_engine(url)
     with engine.begin() as conn:
-        conn.execute(insert(pe), [dict(zip(keys, r), payload_hash="h" * 64) for r in records])
+        conn.execute(
+            insert(pe), [dict(zip(keys, r, strict=True), payload_hash="h" * 64) for r in records]
+        )
         common = {"destination": "d", "body": b"{}", "headers": {}}
         old = now - timedelta(hours=5)
         conn.execute(
-            insert(ob), [{**row, **common, "created_at": old, "available_at": old} for row in outbox]
+            insert(ob),
+            [{**row, **common, "created_at": old, "available_at": old} for row in outbox],
         )
     engine.dispose()
 

@@ -1,0 +1,56 @@
+"""What every consumer runner shares: the stop switch and the signals that flip it.
+
+Runner contract (each sentence has a scenario in tests/conformance.py):
+- A message delivered twice is applied once, and every delivery is acked.
+- A crash between commit and ack leaves the message with the broker, and its
+  redelivery is acked as a DUPLICATE.
+- A message that must be retried is not acked and is delivered again.
+- A message that fails permanently is dead-lettered with its reason, then acked,
+  and the messages after it are processed.
+- A message without a usable id is dead-lettered, never guessed.
+- ``stop()`` lets the batch in flight finish, commit and be acked, then ``run()`` returns.
+- Where the broker promises order, messages of one partition are handled in that order.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections import Counter
+from types import FrameType
+
+from .outcome import Outcome, Result
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class ConsumerRunner:
+    """Base of every runner: a thread-safe stop switch, wired to signals on request, and outcome totals."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.outcomes: Counter[Outcome] = Counter()
+
+    def stop(self) -> None:
+        """Ask the runner to finish its batch, commit, ack, close and return."""
+        self._event.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._event.is_set()
+
+    def pause(self, seconds: float) -> bool:
+        """Sleep, waking early on stop(); True if stop was asked."""
+        return self._event.wait(seconds)
+
+    def on_signals(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        """Stop gracefully on these signals (call from the main thread)."""
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            self.stop()
+
+        for sig in signals:
+            signal.signal(sig, handle)
+
+    def count(self, results: list[Result]) -> None:
+        self.outcomes.update(result.outcome for result in results)

@@ -1,0 +1,6 @@
+"""Test doubles that are real implementations: use them in your own tests too."""
+
+from .memory_broker import MemoryBroker
+from .memory_runner import MemoryConsumerRunner
+
+__all__ = ["MemoryBroker", "MemoryConsumerRunner"]

@@ -1,0 +1,76 @@
+"""MemoryConsumerRunner: drives a dedup handler from a MemoryBroker queue.
+
+The reference runner: the adapters do the same translation with a real broker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from ..deduplicator import DedupHandler
+from ..outcome import Outcome, Result
+from ..runner import ConsumerRunner
+from .memory_broker import Delivery, MemoryBroker
+
+_names = itertools.count(1)
+
+
+class MemoryConsumerRunner(ConsumerRunner):
+    """Fetch up to ``batch_size`` messages, run them in one transaction, then settle each.
+
+    PROCESSED and DUPLICATE are acked; FAILED is dead-lettered to
+    ``<source>.dlq`` with its reason, then acked; RETRY is given back to the
+    broker after ``retry_delay`` seconds.
+    """
+
+    def __init__(
+        self,
+        broker: MemoryBroker,
+        source: str,
+        handler: DedupHandler,
+        *,
+        batch_size: int = 1,
+        retry_delay: float = 0.05,
+        poll_interval: float = 0.05,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.broker = broker
+        self.source = source
+        self.handler = handler
+        self.batch_size = batch_size
+        self.retry_delay = retry_delay
+        self.poll_interval = poll_interval
+        self.name = name or f"memory-consumer-{next(_names)}"
+
+    def run(self, *, until_idle: bool = False) -> None:
+        """Consume until stop(), or with ``until_idle`` until the source is empty."""
+        while not self.stopping:
+            wait = 0.0 if until_idle else self.poll_interval
+            deliveries = self.broker.fetch(
+                self.source, self.batch_size, consumer=self.name, timeout=wait
+            )
+            if not deliveries:
+                if until_idle:
+                    return
+                continue
+            results = self.handler.process_batch([d.to_message() for d in deliveries])
+            self._settle(deliveries, results)
+
+    def _settle(self, deliveries: Sequence[Delivery], results: Sequence[Result]) -> None:
+        retries = []
+        for delivery, result in zip(deliveries, results, strict=True):
+            if result.outcome is Outcome.RETRY:
+                retries.append(delivery)
+                continue
+            if result.outcome is Outcome.FAILED:
+                self.broker.dead_letter(delivery, result.reason or "failed", self.handler.dedup.consumer)
+            self.broker.ack(delivery)
+        self.count(list(results))
+        if retries:
+            self.pause(self.retry_delay)
+            for delivery in reversed(retries):
+                self.broker.nack(delivery)

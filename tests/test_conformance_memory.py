@@ -1,0 +1,78 @@
+"""The MemoryBroker runner passes the shared runner contract."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from consumerdedup import Deduplicator, Message, RetryPolicy
+from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from consumerdedup.testing.memory_broker import REASON_HEADER
+from tests.conformance import Capabilities, RunnerContract
+from tests.flavors import Behavior
+
+QUICK_RETRY = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
+
+
+class MemoryHarness:
+    capabilities = Capabilities(ordered=True, batches=True)
+    source = "payments"
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+        self.broker = MemoryBroker()
+
+    def publish(self, message_id: str | None, body: bytes) -> None:
+        self.broker.publish(self.source, body, message_id=message_id)
+
+    def _runner(self, behavior: Behavior, batch_size: int) -> MemoryConsumerRunner:
+        dedup = Deduplicator(
+            self.db.engine, consumer="ledger", tables=self.db.tables, retry=QUICK_RETRY
+        )
+
+        @dedup.handler
+        def handle(message: Message, session: Any) -> None:
+            for sql, params in behavior(message):
+                session.execute(text(sql), params)
+
+        return MemoryConsumerRunner(
+            self.broker, self.source, handle, batch_size=batch_size, retry_delay=0.0
+        )
+
+    def consume(
+        self, behavior: Behavior, *, batch_size: int = 1, crash_after_commit: bool = False
+    ) -> None:
+        if crash_after_commit:
+            self.broker.crash_before_ack()
+        self._runner(behavior, batch_size).run(until_idle=True)
+
+    def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
+        runner = self._runner(behavior, batch_size)
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            runner.stop()
+            thread.join(30)
+            assert not thread.is_alive()
+
+        return stop
+
+    def held(self) -> int:
+        return self.broker.held(self.source)
+
+    def dead_letters(self) -> list[tuple[str | None, str]]:
+        return [
+            (m.id, m.headers[REASON_HEADER]) for m in self.broker.messages(self.source + ".dlq")
+        ]
+
+
+class TestMemoryBroker(RunnerContract):
+    @pytest.fixture
+    def harness(self, db: Any) -> MemoryHarness:
+        return MemoryHarness(db)
