@@ -5,7 +5,7 @@ processed_events -> COMMIT, and the broker is acked only after COMMIT.
 """
 
 from .async_deduplicator import AsyncDedupHandler, AsyncDeduplicator
-from .deduplicator import Deduplicator, DedupHandler
+from .deduplicator import DedupHandler, Deduplicator
 from .errors import (
     ConfigurationError,
     ConsumerDedupError,

@@ -66,12 +66,12 @@ class AsyncDeduplicator(DeduplicatorSettings):
     def handler(self, fn: AsyncHandlerFn, /) -> AsyncDedupHandler: ...
     @overload
     def handler(
-        self, *, claim_first: bool = False
+        self, fn: None = None, /, *, claim_first: bool = False
     ) -> Callable[[AsyncHandlerFn], AsyncDedupHandler]: ...
     def handler(
         self, fn: AsyncHandlerFn | None = None, /, *, claim_first: bool = False
     ) -> AsyncDedupHandler | Callable[[AsyncHandlerFn], AsyncDedupHandler]:
-        """Wrap ``async fn(message, session)``; ``claim_first`` records the key before calling it."""
+        """Wrap ``async fn(message, session)``; ``claim_first`` records the key first."""
         if fn is not None:
             return AsyncDedupHandler(self, fn, claim_first)
         return lambda f: AsyncDedupHandler(self, f, claim_first)
@@ -149,4 +149,3 @@ class AsyncDedupHandler:
                 result = self.dedup.dead_letter_failed(result, exc)
         self.dedup.account(result)
         return result
-

@@ -65,7 +65,9 @@ class Deduplicator(DeduplicatorSettings):
     @overload
     def handler(self, fn: HandlerFn, /) -> DedupHandler: ...
     @overload
-    def handler(self, *, claim_first: bool = False) -> Callable[[HandlerFn], DedupHandler]: ...
+    def handler(
+        self, fn: None = None, /, *, claim_first: bool = False
+    ) -> Callable[[HandlerFn], DedupHandler]: ...
     def handler(
         self, fn: HandlerFn | None = None, /, *, claim_first: bool = False
     ) -> DedupHandler | Callable[[HandlerFn], DedupHandler]:

@@ -51,11 +51,11 @@ class RecordedFailure(PermanentError):
     """A redelivery of a message that FAILED before: dead-lettered again with the first reason."""
 
 
-class RetryLater(ConsumerDedupError):  # noqa: N818 - control flow, named for what it asks
+class RetryLater(ConsumerDedupError):
     """Control flow, not a failure: roll back and deliver the message again later."""
 
 
-class SimulatedCrash(BaseException):  # noqa: N818
+class SimulatedCrash(BaseException):
     """Raised by the test broker to kill a consumer between commit and ack.
 
     A BaseException so that handlers' and runners' ``except Exception`` blocks

@@ -25,7 +25,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class ConsumerRunner:
-    """Base of every runner: a thread-safe stop switch, wired to signals on request, and outcome totals."""
+    """Base of every runner: a thread-safe stop switch (signals on request) and outcome totals."""
 
     def __init__(self) -> None:
         self._event = threading.Event()

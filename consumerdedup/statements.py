@@ -9,7 +9,6 @@ from typing import Any
 
 from sqlalchemy import Select, bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Result
 from sqlalchemy.sql.dml import Insert
 
 from .errors import ConfigurationError
@@ -60,13 +59,13 @@ class Statements:
         return self._lookup, {"consumer": consumer, "keys": list(keys)}
 
     @staticmethod
-    def read_lookup(result: Result[Any]) -> dict[str, Recorded]:
-        return {row[0]: Recorded(row[1], row[2], row[3]) for row in result}
+    def read_lookup(rows: Iterable[Any]) -> dict[str, Recorded]:
+        return {key: Recorded(digest, outcome, error) for key, digest, outcome, error in rows}
 
     def record(self, rows: Iterable[Mapping[str, Any]]) -> tuple[Insert, list[dict[str, Any]]]:
         """INSERT ... ON CONFLICT DO NOTHING RETURNING message_id: what comes back was ours."""
         return self._record, [dict(r) for r in rows]
 
     @staticmethod
-    def read_recorded(result: Result[Any]) -> set[str]:
-        return {row[0] for row in result}
+    def read_recorded(rows: Iterable[Any]) -> set[str]:
+        return {key for (key,) in rows}

@@ -40,7 +40,7 @@ class Harness(Protocol):
     def consume(
         self, behavior: Behavior, *, batch_size: int = 1, crash_after_commit: bool = False
     ) -> None:
-        """Run a fresh runner until the source is drained; an injected crash raises SimulatedCrash."""
+        """Run a fresh runner until the source is drained; a crash raises SimulatedCrash."""
 
     def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
         """Run a fresh runner in the background; returns a function that stops it and waits."""

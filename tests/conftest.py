@@ -64,7 +64,9 @@ def _sqlite(tmp_path: Path) -> Iterator[Database]:
         conn.exec_driver_sql("PRAGMA journal_mode=WAL")
     tables = Tables.define()
     install(engine, tables)
-    yield Database("sqlite", f"sqlite:///{path}", f"sqlite+aiosqlite:///{path}", None, engine, tables)
+    yield Database(
+        "sqlite", f"sqlite:///{path}", f"sqlite+aiosqlite:///{path}", None, engine, tables
+    )
     engine.dispose()
 
 

@@ -152,7 +152,13 @@ def test_duplicates_within_a_batch_collapse(db: Any, flavor: Any) -> None:
     ledger = db.create_ledger()
     handle = flavor.wrap(credit(ledger), consumer="ledger")
     handle(payment("p-0"))
-    batch = [payment("p-1"), payment("p-0"), payment("p-1"), payment("p-2"), payment("p-1", amount=7)]
+    batch = [
+        payment("p-1"),
+        payment("p-0"),
+        payment("p-1"),
+        payment("p-2"),
+        payment("p-1", amount=7),
+    ]
     outcomes = handle.batch(batch)
     assert outcomes == [
         Outcome.PROCESSED,
@@ -223,7 +229,6 @@ def test_transient_error_in_a_batch_retries_only_that_message(db: Any, flavor: A
 def test_unknown_error_is_transient_until_attempts_run_out_then_permanent(
     db: Any, flavor: Any
 ) -> None:
-    ledger = db.create_ledger()
     calls: list[str] = []
 
     def buggy(message: Message) -> list[tuple[str, dict[str, Any]]]:

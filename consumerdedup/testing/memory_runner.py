@@ -61,15 +61,16 @@ class MemoryConsumerRunner(ConsumerRunner):
             self._settle(deliveries, results)
 
     def _settle(self, deliveries: Sequence[Delivery], results: Sequence[Result]) -> None:
+        self.count(list(results))  # before the acks: an injected crash may interrupt them
         retries = []
         for delivery, result in zip(deliveries, results, strict=True):
             if result.outcome is Outcome.RETRY:
                 retries.append(delivery)
                 continue
             if result.outcome is Outcome.FAILED:
-                self.broker.dead_letter(delivery, result.reason or "failed", self.handler.dedup.consumer)
+                consumer = self.handler.dedup.consumer
+                self.broker.dead_letter(delivery, result.reason or "failed", consumer)
             self.broker.ack(delivery)
-        self.count(list(results))
         if retries:
             self.pause(self.retry_delay)
             for delivery in reversed(retries):
