@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import (
     JSON,
+    Connection,
     BigInteger,
     Column,
     DateTime,
@@ -111,13 +112,20 @@ processed_events = DEFAULT.processed_events
 outbox = DEFAULT.outbox
 
 
-def install(engine: Engine, tables: Tables = DEFAULT) -> None:
-    """Create the schemas and tables that are missing; safe to run any number of times."""
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            for schema in sorted({t.schema for t in tables.all if t.schema}):
-                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
-        tables.metadata.create_all(conn, tables=list(tables.all), checkfirst=True)
+def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
+    """Create the schemas and tables that are missing; safe to run any number of times.
+
+    Given a Connection (``await conn.run_sync(install)`` with asyncio), it runs
+    inside that connection's transaction.
+    """
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            install(conn, tables)
+        return
+    if bind.dialect.name == "postgresql":
+        for schema in sorted({t.schema for t in tables.all if t.schema}):
+            bind.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+    tables.metadata.create_all(bind, tables=list(tables.all), checkfirst=True)
 
 
 def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:

@@ -1,0 +1,36 @@
+"""The examples (and so the README's snippets, which come from them) run as shipped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run(name: str, **env: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+        cwd=EXAMPLES.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_quickstart() -> None:
+    assert "alice's balance: 25" in run("quickstart.py")
+
+
+def test_memory_consumer() -> None:
+    out = run("memory_consumer.py")
+    assert "crashed between commit and ack" in out and "orders: 100" in out
+
+
+def test_async_postgres(postgres_url: str) -> None:
+    assert "shipments: 50" in run("async_postgres.py", CONSUMERDEDUP_DB_URL=postgres_url)
