@@ -32,7 +32,7 @@ for n in range(100):
     broker.publish("orders", json.dumps(order).encode(), message_id=f"evt-{n}")
 broker.crash_before_ack()  # the first consumer dies after its first commit
 
-for attempt in range(2):
+for _ in range(2):  # the crash, then the restarted consumer
     runner = MemoryConsumerRunner(broker, "orders", place_order, batch_size=10)
     try:
         runner.run(until_idle=True)

@@ -348,7 +348,6 @@ def test_stats_of_empty_tables(sqlite_url: str) -> None:
 
 
 def test_demo_needs_no_database() -> None:
-    pytest.importorskip("consumerdedup.demo", reason="consumerdedup.demo is not written yet")
     run = cli("demo")
     assert run.code == 0, run.err
     assert run.out.strip()
