@@ -33,6 +33,7 @@ import psycopg
 import sqlalchemy
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -82,19 +83,35 @@ def load_average() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min)"
 
 
-def busy_warning() -> str | None:
-    """A warning when other work competes for the CPUs: the figures would understate."""
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs since boot, from /proc/stat."""
     try:
-        one = os.getloadavg()[0]
-    except OSError:
+        with open("/proc/stat", encoding="utf-8") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
         return None
-    cpus = os.cpu_count() or 1
-    if one > cpus * 0.75:
-        return (
-            f"WARNING: 1-min load average {one:.2f} on {cpus} CPU(s): other processes compete "
-            "with the benchmark and PostgreSQL; figures are noisy and understated."
-        )
-    return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def cpu_busy(seconds: float = 1.0) -> float | None:
+    """The fraction of all CPUs busy over ``seconds``, while this process sleeps."""
+    before = _cpu_times()
+    time.sleep(seconds)
+    after = _cpu_times()
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def busy_warning(busy: float | None) -> str | None:
+    """A warning when other work competes for the CPUs: the figures would be understated."""
+    if busy is None or busy < 0.15:
+        return None
+    return (
+        f"WARNING: the CPUs were {busy:.0%} busy with other work just before the run; "
+        "figures are noisy and understated."
+    )
 
 
 def server_settings(engine: Engine) -> dict[str, str]:
@@ -103,13 +120,19 @@ def server_settings(engine: Engine) -> dict[str, str]:
         return {name: str(conn.exec_driver_sql(f"SHOW {name}").scalar()) for name in names}
 
 
-def print_conditions(args: argparse.Namespace, url: str, engine: Engine) -> None:
+def busy_text(busy: float | None) -> str:
+    return "?" if busy is None else f"{busy:.0%}"
+
+
+def print_conditions(
+    args: argparse.Namespace, url: str, engine: Engine, busy: float | None
+) -> None:
     pg = server_settings(engine)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     rows = [
         ("CPU", f"{os.cpu_count()} x {cpu_model()} ({usable} usable)"),
         ("memory", memory_total()),
-        ("load", load_average()),
+        ("load", f"{load_average()}; CPUs {busy_text(busy)} busy just before the run"),
         ("OS", platform.platform()),
         ("PostgreSQL", pg["server_version"]),
         (
@@ -144,12 +167,13 @@ def libpq() -> str:
 
 
 def make_messages(tag: str, count: int, body_size: int) -> list[Message]:
-    """Fresh ids under ``tag``; the bodies are distinct so each hashes differently."""
+    """Fresh ids under ``tag``; JSON bodies padded to ``body_size`` bytes, each distinct."""
     messages = []
     for i in range(count):
-        head = f'{{"account":"acct-{i % 97}","amount":{i % 1000},"pad":"'.encode()
-        pad = b"x" * max(0, body_size - len(head) - 2)
-        messages.append(Message(id=f"{tag}-{i}", body=head + pad + b'"}'))
+        head = f'{{"id":"{tag}-{i}","account":"acct-{i % 97}","amount":{i % 1000},"pad":"'
+        body = head.encode()
+        body += b"x" * max(0, body_size - len(body) - 2) + b'"}'
+        messages.append(Message(id=f"{tag}-{i}", body=body))
     return messages
 
 
@@ -198,6 +222,7 @@ class Bench:
         self.payments = f"{self.schema}.payments"
         self.raw_events = f"{self.schema}.raw_events"
         self.engine: Engine = create_engine(url)
+        self.raw_conn: psycopg.Connection[Any] | None = None
         self.async_engine: AsyncEngine = create_async_engine(url)
         self.tables = Tables.define(f"{self.schema}.processed_events", f"{self.schema}.outbox")
         self.insert_sql = text(
@@ -283,7 +308,7 @@ class Bench:
 
         # Reference: plain psycopg, no SQLAlchemy; business row + dedup-like row per transaction.
         conninfo = make_url(self.url).set(drivername="postgresql").render_as_string(False)
-        self.raw_conn = psycopg.connect(conninfo)
+        raw_conn = self.raw_conn = psycopg.connect(conninfo)
         raw_business = (
             f"INSERT INTO {self.payments} (account, amount, message_id) VALUES (%s, %s, %s)"
         )
@@ -294,15 +319,11 @@ class Bench:
         fake_hash = "0" * 64
 
         def raw(messages: Sequence[Message]) -> None:
-            conn = self.raw_conn
             for message in messages:
-                with conn.transaction(), conn.cursor() as cur:
+                with raw_conn.transaction(), raw_conn.cursor() as cur:
                     p = business_params(message)
                     cur.execute(raw_business, (p["account"], p["amount"], p["message_id"]))
                     cur.execute(raw_record, (message.id, fake_hash))
-
-        def sync(fn: Callable[[Sequence[Message]], Any]) -> Callable[[Sequence[Message]], Any]:
-            return fn
 
         def in_loop(
             fn: Callable[[Sequence[Message]], Awaitable[Any]],
@@ -312,15 +333,15 @@ class Bench:
 
         per, batch = self.args.messages, self.args.batch_messages
         scenarios = [
-            (Scenario("(a) baseline, no dedup", "sync", 1, sync(baseline)), per),
-            (Scenario("(b) pipeline per message", "sync", 1, sync(one_by_one)), per),
+            (Scenario("(a) baseline, no dedup", "sync", 1, baseline), per),
+            (Scenario("(b) pipeline per message", "sync", 1, one_by_one), per),
             (Scenario("(b) pipeline per message", "async", 1, in_loop(aone_by_one)), per),
-            (Scenario("(c) pipeline .batch(100)", "sync", 100, sync(batched(100))), batch),
+            (Scenario("(c) pipeline .batch(100)", "sync", 100, batched(100)), batch),
             (Scenario("(c) pipeline .batch(100)", "async", 100, in_loop(abatched(100))), batch),
-            (Scenario("(c) pipeline .batch(500)", "sync", 500, sync(batched(500))), batch),
+            (Scenario("(c) pipeline .batch(500)", "sync", 500, batched(500)), batch),
             (Scenario("(c) pipeline .batch(500)", "async", 500, in_loop(abatched(500))), batch),
             (Scenario("ref: baseline, no dedup", "async", 1, in_loop(abaseline), True), per),
-            (Scenario("ref: plain psycopg, 2 inserts", "sync", 1, sync(raw), True), per),
+            (Scenario("ref: plain psycopg, 2 inserts", "sync", 1, raw, True), per),
         ]
         out = []
         for n, (scenario, count) in enumerate(scenarios):
@@ -385,7 +406,8 @@ class Bench:
             self.verify_rows(scenarios)
             return scenarios
         finally:
-            self.raw_conn.close()
+            if self.raw_conn is not None:
+                self.raw_conn.close()
             loop.run_until_complete(self.async_engine.dispose())
             loop.close()
 
@@ -487,12 +509,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     url = args.url or os.environ.get("CONSUMERDEDUP_BENCH_PG_URL", DEFAULT_URL)
     bench = Bench(args, url)
-    print_conditions(args, url, bench.engine)
-    warning = busy_warning()
+    busy = cpu_busy()
+    try:
+        print_conditions(args, url, bench.engine, busy)
+    except OperationalError as exc:
+        shown = make_url(url).render_as_string(hide_password=True)
+        print(f"cannot reach PostgreSQL at {shown}: {exc.orig}", file=sys.stderr)
+        return 2
+    warning = busy_warning(busy)
     if warning:
         print(warning, end="\n\n")
-    bench.setup()
     try:
+        bench.setup()
         scenarios = bench.run()
     finally:
         bench.teardown()

@@ -17,19 +17,32 @@ from __future__ import annotations
 import signal
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from .outcome import Outcome, Result
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+ID_HEADER = "event_id"
+"""The header that carries a message's dedup id (the outbox sets it on every event)."""
+REASON_HEADER = "x-dead-letter-reason"
+"""On a dead letter: why the message failed (``Result.reason``)."""
+CONSUMER_HEADER = "x-dead-letter-consumer"
+"""On a dead letter: the consumer that refused it."""
+DEAD_LETTER_SUFFIX = ".dlq"
+"""Default dead-letter destination: the source's name plus this."""
+
+BeforeAck = Callable[[Sequence[Result]], None]
+
 
 class ConsumerRunner:
     """Base of every runner: a thread-safe stop switch (signals on request) and outcome totals."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, before_ack: BeforeAck | None = None) -> None:
         self._event = threading.Event()
         self.outcomes: Counter[Outcome] = Counter()
+        self.before_ack = before_ack
 
     def stop(self) -> None:
         """Ask the runner to finish its batch, commit, ack, close and return."""
@@ -52,5 +65,12 @@ class ConsumerRunner:
         for sig in signals:
             signal.signal(sig, handle)
 
-    def count(self, results: list[Result]) -> None:
+    def committed(self, results: Sequence[Result]) -> None:
+        """Call between the database commit and the acks: counts, then the ``before_ack`` hook.
+
+        The hook sees every batch after its commit and before any ack; tests
+        raise SimulatedCrash from it to kill a runner at exactly that point.
+        """
         self.outcomes.update(result.outcome for result in results)
+        if self.before_ack is not None:
+            self.before_ack(results)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import (
     JSON,
-    Connection,
     BigInteger,
     Column,
+    Connection,
     DateTime,
     Engine,
     Identity,

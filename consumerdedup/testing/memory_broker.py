@@ -19,11 +19,9 @@ from datetime import UTC, datetime
 
 from ..errors import SimulatedCrash
 from ..message import Message
+from ..runner import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
 
-DEAD_LETTER_SUFFIX = ".dlq"
-REASON_HEADER = "x-dead-letter-reason"
-CONSUMER_HEADER = "x-dead-letter-consumer"
-ID_HEADER = "event_id"
+__all__ = ["CONSUMER_HEADER", "REASON_HEADER", "Delivery", "MemoryBroker"]
 
 
 @dataclass(frozen=True)

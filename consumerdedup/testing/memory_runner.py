@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ..deduplicator import DedupHandler
 from ..outcome import Outcome, Result
-from ..runner import ConsumerRunner
+from ..runner import BeforeAck, ConsumerRunner
 from .memory_broker import Delivery, MemoryBroker
 
 _names = itertools.count(1)
@@ -34,8 +34,9 @@ class MemoryConsumerRunner(ConsumerRunner):
         retry_delay: float = 0.05,
         poll_interval: float = 0.05,
         name: str | None = None,
+        before_ack: BeforeAck | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(before_ack=before_ack)
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self.broker = broker
@@ -61,7 +62,7 @@ class MemoryConsumerRunner(ConsumerRunner):
             self._settle(deliveries, results)
 
     def _settle(self, deliveries: Sequence[Delivery], results: Sequence[Result]) -> None:
-        self.count(list(results))  # before the acks: an injected crash may interrupt them
+        self.committed(results)
         retries = []
         for delivery, result in zip(deliveries, results, strict=True):
             if result.outcome is Outcome.RETRY:
