@@ -7,6 +7,7 @@ creates them directly, idempotently.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -39,12 +40,21 @@ ID_LENGTH = 255
 def split_name(name: str) -> tuple[str | None, str]:
     """Split ``"schema.table"`` and validate both parts as SQL identifiers."""
     parts = name.split(".") if isinstance(name, str) else [name]
-    if len(parts) > 2 or not all(isinstance(p, str) and _IDENTIFIER.match(p) for p in parts):
+    if len(parts) > 2 or not all(isinstance(p, str) and _IDENTIFIER.fullmatch(p) for p in parts):
         raise ConfigurationError(
             f"invalid table name {name!r}: use letters, digits and _ "
             "(at most 63 each, not starting with a digit), optionally as schema.table"
         )
     return (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
+
+
+def _index_name(table: str, what: str) -> str:
+    """``ix_<table>_<what>``, shortened with a hash to fit PostgreSQL's 63-character limit."""
+    name = f"ix_{table}_{what}"
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha1(table.encode()).hexdigest()[:8]
+    return f"ix_{table[: 63 - len(what) - 13]}_{digest}_{what}"
 
 
 # SQLite makes only an INTEGER PRIMARY KEY an alias of its rowid (auto-increment).
@@ -69,6 +79,9 @@ class Tables:
         metadata = metadata if metadata is not None else MetaData()
         pe_schema, pe_name = split_name(processed_events)
         ob_schema, ob_name = split_name(outbox)
+        for name in (processed_events, outbox):
+            if name in metadata.tables:
+                raise ConfigurationError(f"table {name!r} is already defined on this MetaData")
         pe = Table(
             pe_name,
             metadata,
@@ -79,7 +92,7 @@ class Tables:
             Column("outcome", String(16), nullable=False),
             # Why a FAILED message failed, so a redelivery is dead-lettered with the same reason.
             Column("error", Text, nullable=True),
-            Index(f"ix_{pe_name}_processed_at", "processed_at"),
+            Index(_index_name(pe_name, "processed_at"), "processed_at"),
             schema=pe_schema,
         )
         ob = Table(
@@ -96,7 +109,7 @@ class Tables:
             Column("available_at", DateTime(timezone=True), nullable=False),
             Column("published_at", DateTime(timezone=True), nullable=True),
             Column("last_error", Text, nullable=True),
-            Index(f"ix_{ob_name}_unpublished", "published_at", "available_at", "id"),
+            Index(_index_name(ob_name, "unpublished"), "published_at", "available_at", "id"),
             schema=ob_schema,
         )
         return cls(metadata=metadata, processed_events=pe, outbox=ob)

@@ -8,7 +8,7 @@ from typing import Any
 import tenacity
 
 from .errors import ConfigurationError, PermanentError
-from .observe import OutcomeCounts, log_result
+from .observe import OutcomeCounts, log_result, logger
 from .outcome import Outcome, Result
 from .pipeline import AttemptReport, Pipeline
 from .retry import RetryPolicy
@@ -72,4 +72,8 @@ class DeduplicatorSettings:
         self.counts.add(result.outcome)
         log_result(self.consumer, result)
         for observer in self.observers:
-            observer(result)
+            try:
+                observer(result)
+            except Exception:
+                # A broken metrics hook must not stop the consumer or block its acks.
+                logger.exception("observer %r raised; the message's outcome stands", observer)

@@ -313,3 +313,21 @@ def test_results_say_whether_to_ack(db: Database) -> None:
         [msg("p-1"), msg("p-1"), msg("bad", "refuse"), msg("later", "busy")]
     )
     assert [r.outcome.acks for r in results] == [True, True, True, False]
+
+
+def test_an_observer_that_raises_does_not_break_the_consumer(
+    sqlite_db: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[Result] = []
+
+    def broken(result: Result) -> None:
+        raise RuntimeError("metrics backend down")
+
+    dedup = Deduplicator(
+        sqlite_db.engine, consumer="c", tables=sqlite_db.tables, observers=[broken, seen.append]
+    )
+    handle = dedup.handler(lambda message, session: None)
+    outcomes = handle.batch([Message(id="a", body=b""), Message(id="b", body=b"")])
+    assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
+    assert [r.message.id for r in seen] == ["a", "b"]
+    assert "metrics backend down" in caplog.text
