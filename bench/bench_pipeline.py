@@ -282,6 +282,10 @@ class Bench:
         def handle(message: Message, session: Session) -> None:
             session.execute(insert_sql, business_params(message))
 
+        @dedup.handler(claim_first=False)
+        def handle_check_first(message: Message, session: Session) -> None:
+            session.execute(insert_sql, business_params(message))
+
         adedup = AsyncDeduplicator(self.async_engine, consumer="bench-async", tables=self.tables)
 
         @adedup.handler
@@ -290,6 +294,9 @@ class Bench:
 
         def one_by_one(messages: Sequence[Message]) -> list[Outcome]:
             return [handle(m) for m in messages]
+
+        def one_by_one_check(messages: Sequence[Message]) -> list[Outcome]:
+            return [handle_check_first(m) for m in messages]
 
         async def aone_by_one(messages: Sequence[Message]) -> list[Outcome]:
             return [await ahandle(m) for m in messages]
@@ -336,6 +343,10 @@ class Bench:
             (Scenario("(a) baseline, no dedup", "sync", 1, baseline), per),
             (Scenario("(b) pipeline per message", "sync", 1, one_by_one), per),
             (Scenario("(b) pipeline per message", "async", 1, in_loop(aone_by_one)), per),
+            (
+                Scenario("ref: per message, check-first", "sync", 1, one_by_one_check, True),
+                per,
+            ),
             (Scenario("(c) pipeline .batch(100)", "sync", 100, batched(100)), batch),
             (Scenario("(c) pipeline .batch(100)", "async", 100, in_loop(abatched(100))), batch),
             (Scenario("(c) pipeline .batch(500)", "sync", 500, batched(500)), batch),

@@ -11,8 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from . import sqlite
 from .message import Message
-from .outcome import Outcome, Result
-from .pipeline import (
+from .ops import (
     Attempt,
     AttemptReport,
     CallHandler,
@@ -20,10 +19,11 @@ from .pipeline import (
     EndSavepoint,
     Execute,
     Op,
-    Pipeline,
     Rollback,
     Savepoint,
 )
+from .outcome import Outcome, Result
+from .pipeline import Batch, Pipeline
 from .retry import RetryPolicy
 from .schema import DEFAULT, Tables
 from .settings import DeduplicatorSettings, Observer
@@ -66,10 +66,10 @@ class AsyncDeduplicator(DeduplicatorSettings):
     def handler(self, fn: AsyncHandlerFn, /) -> AsyncDedupHandler: ...
     @overload
     def handler(
-        self, fn: None = None, /, *, claim_first: bool = False
+        self, fn: None = None, /, *, claim_first: bool = True
     ) -> Callable[[AsyncHandlerFn], AsyncDedupHandler]: ...
     def handler(
-        self, fn: AsyncHandlerFn | None = None, /, *, claim_first: bool = False
+        self, fn: AsyncHandlerFn | None = None, /, *, claim_first: bool = True
     ) -> AsyncDedupHandler | Callable[[AsyncHandlerFn], AsyncDedupHandler]:
         """Wrap ``async fn(message, session)``; ``claim_first`` records the key first."""
         if fn is not None:
@@ -100,15 +100,21 @@ class AsyncDedupHandler:
         return (await self.process_batch([message]))[0]
 
     async def process_batch(self, messages: Sequence[Message]) -> list[Result]:
-        slots, items = self.pipeline.start(messages)
-        if items:
-            retrying = tenacity.AsyncRetrying(**self.dedup.retrying_options())
-            await retrying(self._attempt, items)
-        return [await self._settle(result) for result in self.pipeline.finish(slots)]
+        batch = self.pipeline.start(messages)
+        if batch.items:
+            first = await self._attempt(batch)  # the hot path stays outside tenacity
+            if first.pending:
+                replay = self.dedup.replay(first)
 
-    async def _attempt(self, items: Any) -> AttemptReport:
+                async def again() -> AttemptReport:
+                    return next(replay, None) or await self._attempt(batch)
+
+                await tenacity.AsyncRetrying(**self.dedup.retrying_options())(again)
+        return [await self._settle(result) for result in self.pipeline.finish(batch)]
+
+    async def _attempt(self, batch: Batch) -> AttemptReport:
         async with self.dedup.session_factory() as session:
-            return await self._drive(self.pipeline.attempt(items), session)
+            return await self._drive(self.pipeline.attempt(batch), session)
 
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
         reply: Any = None

@@ -11,8 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import sqlite
 from .message import Message
-from .outcome import Outcome, Result
-from .pipeline import (
+from .ops import (
     Attempt,
     AttemptReport,
     CallHandler,
@@ -20,10 +19,11 @@ from .pipeline import (
     EndSavepoint,
     Execute,
     Op,
-    Pipeline,
     Rollback,
     Savepoint,
 )
+from .outcome import Outcome, Result
+from .pipeline import Batch, Pipeline
 from .retry import RetryPolicy
 from .schema import DEFAULT, Tables
 from .settings import DeduplicatorSettings, Observer
@@ -66,10 +66,10 @@ class Deduplicator(DeduplicatorSettings):
     def handler(self, fn: HandlerFn, /) -> DedupHandler: ...
     @overload
     def handler(
-        self, fn: None = None, /, *, claim_first: bool = False
+        self, fn: None = None, /, *, claim_first: bool = True
     ) -> Callable[[HandlerFn], DedupHandler]: ...
     def handler(
-        self, fn: HandlerFn | None = None, /, *, claim_first: bool = False
+        self, fn: HandlerFn | None = None, /, *, claim_first: bool = True
     ) -> DedupHandler | Callable[[HandlerFn], DedupHandler]:
         """Wrap ``fn(message, session)``; ``claim_first`` records the key before calling it."""
         if fn is not None:
@@ -98,15 +98,21 @@ class DedupHandler:
         return self.process_batch([message])[0]
 
     def process_batch(self, messages: Sequence[Message]) -> list[Result]:
-        slots, items = self.pipeline.start(messages)
-        if items:
-            retrying = tenacity.Retrying(**self.dedup.retrying_options())
-            retrying(self._attempt, items)
-        return [self._settle(result) for result in self.pipeline.finish(slots)]
+        batch = self.pipeline.start(messages)
+        if batch.items:
+            first = self._attempt(batch)  # the hot path stays outside tenacity
+            if first.pending:
+                replay = self.dedup.replay(first)
 
-    def _attempt(self, items: Any) -> AttemptReport:
+                def again() -> AttemptReport:
+                    return next(replay, None) or self._attempt(batch)
+
+                tenacity.Retrying(**self.dedup.retrying_options())(again)
+        return [self._settle(result) for result in self.pipeline.finish(batch)]
+
+    def _attempt(self, batch: Batch) -> AttemptReport:
         with self.dedup.session_factory() as session:
-            return self._drive(self.pipeline.attempt(items), session)
+            return self._drive(self.pipeline.attempt(batch), session)
 
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
         reply: Any = None

@@ -1,4 +1,4 @@
-"""The one decision logic: check -> BEGIN -> handle -> INSERT -> COMMIT, as a generator.
+"""The one decision logic of the pipeline, as a generator.
 
 The logic never touches a database itself. It yields operations (run this
 statement, call the handler, open a savepoint, commit) and the sync and async
@@ -16,72 +16,48 @@ from typing import Any
 
 from .errors import InvalidMessage, PayloadMismatch, RecordedFailure, describe
 from .message import Message, payload_hash, validate_id
+from .ops import (
+    Attempt,
+    AttemptReport,
+    CallHandler,
+    Commit,
+    EndSavepoint,
+    Execute,
+    Op,
+    Rollback,
+    Savepoint,
+)
 from .outcome import Outcome, Result
 from .retry import ErrorKind, RetryPolicy
 from .statements import Recorded, Statements, utcnow
 
 
-# The operations a driver carries out. Each returns what the logic is sent back.
-@dataclass(frozen=True, slots=True)
-class Execute:
-    """Run ``statement`` with ``params``; send back ``read(result)``."""
-
-    statement: Any
-    params: Any
-    read: Any
-
-
-@dataclass(frozen=True, slots=True)
-class CallHandler:
-    message: Message
-
-
-@dataclass(frozen=True, slots=True)
-class Savepoint:
-    """Open a savepoint; send back its handle."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndSavepoint:
-    handle: Any
-    commit: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Rollback:
-    pass
-
-
-Op = Execute | CallHandler | Savepoint | EndSavepoint | Commit | Rollback
-Attempt = Generator[Op, Any, "AttemptReport"]
-
-
-@dataclass(frozen=True, slots=True)
-class AttemptReport:
-    pending: bool
-    """Some messages are still undecided: attempt again."""
-    backoff: bool
-    """Wait before that attempt (not needed when the only news was a twin's commit)."""
-
-
 @dataclass(eq=False)
 class _Item:
+    """One distinct key of a batch and what is known of it so far."""
+
     message: Message
     key: str
     hash: str
     attempts: int = 0
-    error: BaseException | None = None
+    refused: BaseException | None = None
+    """A permanent failure seen in an earlier try, waiting to be recorded as FAILED."""
     result: Result | None = None
     followers: list[_Item] = field(default_factory=list)
 
     def decide(self, outcome: Outcome, error: BaseException | None = None) -> None:
         tries = self.attempts + (1 if outcome is Outcome.PROCESSED else 0)
         self.result = Result(self.message, outcome, error, max(tries, 1))
+
+
+@dataclass(eq=False)
+class Batch:
+    """One call's messages: a slot per message, an item per distinct key."""
+
+    slots: list[Result | _Item]
+    items: list[_Item]
+    careful: bool = False
+    """A handler failed in the optimistic pass: from now on one savepoint per message."""
 
 
 class Pipeline:
@@ -99,7 +75,7 @@ class Pipeline:
         self.policy = policy
         self.claim_first = claim_first
 
-    def start(self, messages: Sequence[Message]) -> tuple[list[Result | _Item], list[_Item]]:
+    def start(self, messages: Sequence[Message]) -> Batch:
         """Validate and collapse a batch: one slot per message, one work item per key.
 
         Invalid messages are decided here (FAILED, nothing recorded: they have
@@ -121,59 +97,105 @@ class Pipeline:
             else:
                 leader.followers.append(item)
             slots.append(item)
-        return slots, list(leaders.values())
+        return Batch(slots, list(leaders.values()))
 
-    def attempt(self, items: Sequence[_Item]) -> Attempt:
-        """One transaction over the undecided items; decides every item it can."""
-        todo = [item for item in items if item.result is None]
-        for item in todo:
-            item.error = None
+    def attempt(self, batch: Batch) -> Attempt:
+        """One transaction over the undecided items; decides every item it can.
+
+        The hot path claims every key with one INSERT (claim-first) and runs the
+        handlers without savepoints. If a handler raises, the transaction rolls
+        back and the next attempt runs one savepoint per message, so only the
+        failing message is left out.
+        """
+        todo = [item for item in batch.items if item.result is None]
+        optimistic_claim = self.claim_first and not batch.careful
         handled: list[_Item] = []  # handler succeeded, waiting on COMMIT
-        failing: list[_Item] = []  # permanent failure, its record waiting on COMMIT
-        conflicted = False
         try:
-            statement, params = self.statements.lookup(self.consumer, [i.key for i in todo])
-            found: dict[str, Recorded] = yield Execute(statement, params, Statements.read_lookup)
-            fresh = [item for item in todo if not self._decide_recorded(item, found.get(item.key))]
-            nested = len(fresh) > 1
-            for item in fresh:
-                savepoint = (yield Savepoint()) if nested else None
-                try:
-                    if self.claim_first and not (yield from self._record([item], [])):
-                        conflicted = True  # a twin committed it; the next lookup decides
-                    else:
-                        yield CallHandler(item.message)
-                        handled.append(item)
-                        if nested:
-                            yield EndSavepoint(savepoint, commit=True)
-                        continue
-                except Exception as exc:  # the handler's or its statements' failure
-                    if self._note_failure(item, exc):
-                        failing.append(item)
-                # Undo this message only: its savepoint, or the whole transaction when alone.
-                yield EndSavepoint(savepoint, commit=False) if nested else Rollback()
-
+            claimed: set[str] = set()
+            runnable = [item for item in todo if item.refused is None]
+            if optimistic_claim and runnable:
+                claimed = yield from self._insert(runnable, [])
+            unknown = [item for item in todo if item.key not in claimed]
+            if unknown:
+                found = yield self._lookup(unknown)
+                unknown = [item for item in unknown if not self._decide_recorded(item, found)]
+            if optimistic_claim:
+                fresh = [item for item in runnable if item.key in claimed]
+                # Neither claimed nor recorded: a twin committed in between; look again.
+                conflicted = any(item.refused is None for item in unknown)
+            else:
+                fresh = [item for item in unknown if item.refused is None]
+                conflicted = False
+            if batch.careful and len(fresh) > 1:
+                lost = yield from self._run_guarded(fresh, handled)
+                conflicted = conflicted or lost
+            elif not (yield from self._run_optimistic(fresh, handled)):
+                batch.careful = len(fresh) > 1
+                alone = fresh[0] if len(fresh) == 1 else None
+                backoff = alone is not None and alone.refused is None
+                return AttemptReport(pending=self._pending(todo), backoff=backoff)
+            refused = [item for item in todo if item.result is None and item.refused]
             ours = [] if self.claim_first else handled
-            if (ours or failing) and not (yield from self._record(ours, failing)):
+            if (ours or refused) and len((yield from self._insert(ours, refused))) < len(
+                ours + refused
+            ):
                 # A twin committed one of these keys meanwhile: undo all, let the lookup decide.
                 yield Rollback()
                 return AttemptReport(pending=True, backoff=False)
             yield Commit()
         except Exception as exc:  # the transaction itself failed: nothing of it stands
-            for item in handled + failing:
+            for item in handled:
                 self._note_failure(item, exc)
             return AttemptReport(pending=self._pending(todo), backoff=True)
         for item in handled:
             item.decide(Outcome.PROCESSED)
-        for item in failing:
-            item.decide(Outcome.FAILED, item.error)
+        for item in refused:
+            item.decide(Outcome.FAILED, item.refused)
         pending = self._pending(todo)
         return AttemptReport(pending=pending, backoff=pending and not conflicted)
 
-    def finish(self, slots: list[Result | _Item]) -> list[Result]:
+    def _run_optimistic(
+        self, fresh: Sequence[_Item], handled: list[_Item]
+    ) -> Generator[Op, Any, bool]:
+        """Run the handlers back to back; on the first failure roll back and say so."""
+        for item in fresh:
+            try:
+                yield CallHandler(item.message)
+            except Exception as exc:
+                self._note_failure(item, exc)
+                handled.clear()
+                yield Rollback()
+                return False
+            handled.append(item)
+        return True
+
+    def _run_guarded(
+        self, fresh: Sequence[_Item], handled: list[_Item]
+    ) -> Generator[Op, Any, bool]:
+        """One savepoint per message, so a failure undoes that message only.
+
+        Returns True if a twin had committed a key this run wanted to claim.
+        """
+        lost = False
+        for item in fresh:
+            savepoint = yield Savepoint()
+            try:
+                if self.claim_first and not (yield from self._insert([item], [])):
+                    lost = True  # a twin committed it; the next lookup decides
+                else:
+                    yield CallHandler(item.message)
+                    handled.append(item)
+                    yield EndSavepoint(savepoint, commit=True)
+                    continue
+            except Exception as exc:  # the handler's or its statements' failure
+                self._note_failure(item, exc)
+            yield EndSavepoint(savepoint, commit=False)
+        return lost
+
+    def finish(self, batch: Batch) -> list[Result]:
         """One Result per message, in the order given; followers take their leader's fate."""
         results: list[Result] = []
-        for slot in slots:
+        for slot in batch.slots:
             if isinstance(slot, Result):
                 results.append(slot)
                 continue
@@ -183,16 +205,20 @@ class Pipeline:
                 follower.result = self._follow(slot.result, follower)
         return results
 
-    def _record(
+    def _insert(
         self, processed: Sequence[_Item], failed: Sequence[_Item]
-    ) -> Generator[Op, Any, bool]:
-        """Insert the dedup rows; True if every one was ours (no twin got there first)."""
+    ) -> Generator[Op, Any, set[str]]:
+        """INSERT the dedup rows ON CONFLICT DO NOTHING; send back the keys that were ours."""
         now = utcnow()
         rows = [self._row(item, now, None) for item in processed]
-        rows += [self._row(item, now, item.error) for item in failed]
+        rows += [self._row(item, now, item.refused) for item in failed]
         statement, params = self.statements.record(rows)
         inserted: set[str] = yield Execute(statement, params, Statements.read_recorded)
-        return len(inserted) == len(rows)
+        return inserted
+
+    def _lookup(self, items: Sequence[_Item]) -> Execute:
+        statement, params = self.statements.lookup(self.consumer, [item.key for item in items])
+        return Execute(statement, params, Statements.read_lookup)
 
     def _row(self, item: _Item, now: datetime, error: BaseException | None) -> dict[str, Any]:
         return {
@@ -204,8 +230,9 @@ class Pipeline:
             "error": describe(error) if error else None,
         }
 
-    def _decide_recorded(self, item: _Item, row: Recorded | None) -> bool:
+    def _decide_recorded(self, item: _Item, found: dict[str, Recorded]) -> bool:
         """Decide an item the lookup found; False if it was never processed."""
+        row = found.get(item.key)
         if row is None:
             return False
         if row.payload_hash != item.hash:
@@ -216,18 +243,15 @@ class Pipeline:
             item.decide(Outcome.DUPLICATE)
         return True
 
-    def _note_failure(self, item: _Item, exc: BaseException) -> bool:
-        """Count a failed try; True if the item must now be recorded as FAILED."""
+    def _note_failure(self, item: _Item, exc: BaseException) -> None:
+        """Count a failed try: refuse the item for good, give up on it (RETRY), or try again."""
         item.attempts += 1
-        item.error = None
         kind = self.policy.classify(exc)
         exhausted = item.attempts >= self.policy.attempts
         if kind is ErrorKind.PERMANENT or (kind is ErrorKind.UNKNOWN and exhausted):
-            item.error = exc
-            return True
-        if exhausted:
+            item.refused = exc
+        elif exhausted:
             item.decide(Outcome.RETRY, exc)
-        return False
 
     @staticmethod
     def _pending(items: Sequence[_Item]) -> bool:

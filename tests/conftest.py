@@ -104,11 +104,13 @@ def sqlite_db(tmp_path: Path) -> Iterator[Database]:
     yield from _sqlite(tmp_path)
 
 
-@pytest.fixture(params=["sync", "async"])
+@pytest.fixture(params=["sync-claim", "sync-check", "async-claim", "async-check"])
 def flavor(request: pytest.FixtureRequest, db: Database) -> Iterator[object]:
-    """Deduplicator or AsyncDeduplicator, on whichever database ``db`` is."""
+    """Deduplicator or AsyncDeduplicator, claim-first or check-first, on ``db``'s database."""
     from tests.flavors import AsyncFlavor, SyncFlavor
 
-    chosen = SyncFlavor(db) if request.param == "sync" else AsyncFlavor(db)
+    kind, mode = request.param.split("-")
+    flavor_class = SyncFlavor if kind == "sync" else AsyncFlavor
+    chosen = flavor_class(db, claim_first=mode == "claim")
     yield chosen
     chosen.close()

@@ -22,15 +22,17 @@ Behavior = Callable[[Message], Sequence[tuple[str, dict[str, Any]]]]
 class SyncFlavor:
     name = "sync"
 
-    def __init__(self, db: Any) -> None:
+    def __init__(self, db: Any, claim_first: bool = True) -> None:
         self.db = db
+        self.claim_first = claim_first
 
     def deduplicator(self, **options: Any) -> Deduplicator:
         options.setdefault("tables", self.db.tables)
         return Deduplicator(self.db.engine, **options)
 
-    def wrap(self, behavior: Behavior, claim_first: bool = False, **options: Any) -> Any:
+    def wrap(self, behavior: Behavior, claim_first: bool | None = None, **options: Any) -> Any:
         dedup = self.deduplicator(**options)
+        claim_first = self.claim_first if claim_first is None else claim_first
 
         @dedup.handler(claim_first=claim_first)
         def handle(message: Message, session: Any) -> None:
@@ -46,8 +48,9 @@ class SyncFlavor:
 class AsyncFlavor:
     name = "async"
 
-    def __init__(self, db: Any) -> None:
+    def __init__(self, db: Any, claim_first: bool = True) -> None:
         self.db = db
+        self.claim_first = claim_first
         self.loop = asyncio.new_event_loop()
         self.engine = db.async_engine()
 
@@ -55,8 +58,9 @@ class AsyncFlavor:
         options.setdefault("tables", self.db.tables)
         return AsyncDeduplicator(self.engine, **options)
 
-    def wrap(self, behavior: Behavior, claim_first: bool = False, **options: Any) -> Any:
+    def wrap(self, behavior: Behavior, claim_first: bool | None = None, **options: Any) -> Any:
         dedup = self.deduplicator(**options)
+        claim_first = self.claim_first if claim_first is None else claim_first
 
         @dedup.handler(claim_first=claim_first)
         async def handle(message: Message, session: Any) -> None:

@@ -42,10 +42,11 @@ def race(
     copies: int,
     seed: int,
     start_at: float,
+    claim_first: bool = True,
 ) -> dict[str, int]:
     """Deliver every id ``copies`` times, shuffled, one message per transaction."""
     engine, dedup, insert = _deduplicator(url, names, ledger)
-    handle = dedup.handler(insert)
+    handle = dedup.handler(claim_first=claim_first)(insert)
     deliveries = [mid for mid in bodies for _ in range(copies)]
     random.Random(seed).shuffle(deliveries)
     time.sleep(max(0.0, start_at - time.time()))  # all workers start together
