@@ -19,7 +19,10 @@ from .errors import (
 )
 from .message import MAX_ID_LENGTH, Message
 from .observe import OutcomeCounts
+from .outbox import Outbox
 from .outcome import Outcome, Result
+from .publisher import Publisher
+from .relay import OutboxRelay, RelayConfig
 from .retry import RetryPolicy
 from .schema import Tables, install
 from .settings import DeadLetterFailed
@@ -36,11 +39,15 @@ __all__ = [
     "Deduplicator",
     "InvalidMessage",
     "Message",
+    "Outbox",
+    "OutboxRelay",
     "Outcome",
     "OutcomeCounts",
     "PayloadMismatch",
     "PermanentError",
+    "Publisher",
     "RecordedFailure",
+    "RelayConfig",
     "Result",
     "RetryLater",
     "RetryPolicy",

@@ -36,16 +36,14 @@ DEAD_LETTER_SUFFIX = ".dlq"
 BeforeAck = Callable[[Sequence[Result]], None]
 
 
-class ConsumerRunner:
-    """Base of every runner: a thread-safe stop switch (signals on request) and outcome totals."""
+class StopSwitch:
+    """A thread-safe stop flag for long-running workers, wired to signals on request."""
 
-    def __init__(self, *, before_ack: BeforeAck | None = None) -> None:
+    def __init__(self) -> None:
         self._event = threading.Event()
-        self.outcomes: Counter[Outcome] = Counter()
-        self.before_ack = before_ack
 
     def stop(self) -> None:
-        """Ask the runner to finish its batch, commit, ack, close and return."""
+        """Ask the worker to finish its batch, commit, ack, close and return."""
         self._event.set()
 
     @property
@@ -64,6 +62,15 @@ class ConsumerRunner:
 
         for sig in signals:
             signal.signal(sig, handle)
+
+
+class ConsumerRunner(StopSwitch):
+    """Base of every consumer runner: the stop switch, outcome totals, the before_ack hook."""
+
+    def __init__(self, *, before_ack: BeforeAck | None = None) -> None:
+        super().__init__()
+        self.outcomes: Counter[Outcome] = Counter()
+        self.before_ack = before_ack
 
     def committed(self, results: Sequence[Result]) -> None:
         """Call between the database commit and the acks: counts, then the ``before_ack`` hook.

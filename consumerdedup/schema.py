@@ -109,7 +109,21 @@ class Tables:
             Column("available_at", DateTime(timezone=True), nullable=False),
             Column("published_at", DateTime(timezone=True), nullable=True),
             Column("last_error", Text, nullable=True),
-            Index(_index_name(ob_name, "unpublished"), "published_at", "available_at", "id"),
+            # The relay's scans: unpublished rows in id order, and per key for the order rule.
+            Index(
+                _index_name(ob_name, "unpublished"),
+                "id",
+                postgresql_where=text("published_at IS NULL"),
+                sqlite_where=text("published_at IS NULL"),
+            ),
+            Index(
+                _index_name(ob_name, "key_unpublished"),
+                "key",
+                "id",
+                postgresql_where=text("published_at IS NULL"),
+                sqlite_where=text("published_at IS NULL"),
+            ),
+            Index(_index_name(ob_name, "published_at"), "published_at"),
             schema=ob_schema,
         )
         return cls(metadata=metadata, processed_events=pe, outbox=ob)
@@ -117,6 +131,30 @@ class Tables:
     @property
     def all(self) -> tuple[Table, Table]:
         return (self.processed_events, self.outbox)
+
+    @property
+    def notify_channel(self) -> str:
+        """The PostgreSQL NOTIFY channel that wakes relays when outbox rows commit."""
+        return f"consumerdedup_{self.outbox.fullname.replace('.', '_')}"[:63]
+
+    def notify_trigger_ddl(self) -> list[str]:
+        """PostgreSQL: a statement-level trigger that NOTIFYs relays on insert.
+
+        NOTIFY is delivered at commit, so a relay wakes exactly when new rows
+        become visible; a rolled-back insert wakes nobody.
+        """
+        table = self.outbox
+        qualified = f'"{table.schema}"."{table.name}"' if table.schema else f'"{table.name}"'
+        function = f"{table.name}_notify"[:63]
+        function = f'"{table.schema}"."{function}"' if table.schema else f'"{function}"'
+        trigger = f'"{table.name}_notify"'
+        return [
+            f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
+            f"$$ BEGIN PERFORM pg_notify('{self.notify_channel}', ''); RETURN NULL; END $$",
+            f"DROP TRIGGER IF EXISTS {trigger} ON {qualified}",
+            f"CREATE TRIGGER {trigger} AFTER INSERT ON {qualified} "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
+        ]
 
 
 DEFAULT = Tables.define()
@@ -135,10 +173,14 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
         with bind.begin() as conn:
             install(conn, tables)
         return
-    if bind.dialect.name == "postgresql":
+    postgres = bind.dialect.name == "postgresql"
+    if postgres:
         for schema in sorted({t.schema for t in tables.all if t.schema}):
             bind.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
     tables.metadata.create_all(bind, tables=list(tables.all), checkfirst=True)
+    if postgres:
+        for statement in tables.notify_trigger_ddl():
+            bind.execute(text(statement))
 
 
 def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
@@ -151,4 +193,6 @@ def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
         statements.append(str(CreateTable(table).compile(dialect=engine.dialect)).strip())
         for index in sorted(table.indexes, key=lambda i: str(i.name)):
             statements.append(str(CreateIndex(index).compile(dialect=engine.dialect)).strip())
+    if engine.dialect.name == "postgresql":
+        statements.extend(tables.notify_trigger_ddl())
     return ";\n\n".join(statements) + ";\n"

@@ -1,0 +1,232 @@
+"""OutboxRelay: publishes committed outbox rows at least once, in per-key order.
+
+One round is one transaction: claim the rows this relay alone may publish
+(per-key advisory locks and SKIP LOCKED on PostgreSQL), publish them in id
+order waiting for each confirmation, mark them published, commit. A crash
+after a confirmation and before the commit publishes those rows again: each
+carries its ``event_id``, which the next consumer dedups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import tenacity
+from sqlalchemy import Engine
+
+from . import sqlite
+from .errors import ConfigurationError, describe
+from .publisher import Publisher
+from .relay_listener import Listener
+from .relay_statements import RelayStatements
+from .retry import ErrorKind, classify
+from .runner import StopSwitch
+from .schema import DEFAULT, Tables
+from .statements import utcnow
+
+logger = logging.getLogger("consumerdedup.relay")
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """How much a round takes, how long an idle relay waits, how failures back off."""
+
+    batch_size: int = 100
+    poll_interval: timedelta = timedelta(seconds=1)
+    """Idle wait between rounds; on PostgreSQL a NOTIFY ends it as soon as a row commits."""
+    max_attempts: int = 10
+    """Failed publishes of one row before it is parked (kept, reported, no longer tried)."""
+    initial_backoff: timedelta = timedelta(milliseconds=200)
+    max_backoff: timedelta = timedelta(minutes=5)
+    delete_published: bool = False
+    """Delete rows once published instead of stamping published_at (the pruner cleans those)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_attempts < 1:
+            raise ConfigurationError("batch_size and max_attempts must be >= 1")
+        if self.poll_interval <= timedelta(0) or self.initial_backoff > self.max_backoff:
+            raise ConfigurationError("need poll_interval > 0 and initial_backoff <= max_backoff")
+
+    def backoff(self, attempts: int) -> timedelta:
+        """Exponential in the row's failed attempts, capped."""
+        delay: timedelta = self.initial_backoff * 2 ** max(attempts - 1, 0)
+        return min(delay, self.max_backoff)
+
+
+class OutboxRelay(StopSwitch):
+    """Moves outbox rows to a broker. ``run()`` until stopped; ``run_once()`` for one round.
+
+    Order: rows with the same key are published in the order they were added
+    (Outbox.add serializes same-key producers on PostgreSQL, relays lock the
+    key while publishing it, and a key whose older row is backing off or
+    parked is held back). Rows without a key carry no order promise.
+    Several relays may run at once; none publishes a row another has in flight.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        publisher: Publisher,
+        *,
+        tables: Tables = DEFAULT,
+        config: RelayConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.engine = sqlite.prepare(engine)
+        self.publisher = publisher
+        self.tables = tables
+        self.config = config or RelayConfig()
+        self.statements = RelayStatements(tables, engine.dialect.name)
+        self.published = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if inspect.iscoroutinefunction(publisher.publish):
+            self._loop = asyncio.new_event_loop()
+        self._idle = threading.Condition()
+        self._rounds = 0
+        self._broker_trouble = False
+        self._backoff = tenacity.wait_exponential(
+            multiplier=self.config.initial_backoff.total_seconds(),
+            max=self.config.max_backoff.total_seconds(),
+        )
+
+    def run_once(self) -> int:
+        """One round: claim, publish, mark, commit. Returns how many rows were published."""
+        self._broker_trouble = False
+        with self.engine.connect() as conn, conn.begin():
+            now = utcnow()
+            rows = self.statements.claim(
+                conn, now, self.config.batch_size, self.config.max_attempts
+            )
+            done: list[int] = []
+            held_keys: set[str] = set()
+            for row in rows:
+                if row.key is not None and row.key in held_keys:
+                    continue  # an older row of this key failed in this round: keep the order
+                if self._broker_trouble:
+                    break
+                error = self._publish(row)
+                if error is None:
+                    done.append(row.id)
+                    continue
+                if row.key is not None:
+                    held_keys.add(row.key)
+                self._fail(conn, row, error)
+            self.statements.mark_published(conn, done, utcnow(), self.config.delete_published)
+        self.published += len(done)
+        return len(done)
+
+    def drain(self) -> int:
+        """Publish everything that can go now; returns the count. For tests: no sleeping."""
+        total = 0
+        while (count := self.run_once()) > 0:
+            total += count
+        return total
+
+    def run(self) -> None:
+        """Publish until stop(): rounds back to back while there is work, else wait for news."""
+        listener = Listener(self.engine, self.tables.notify_channel)
+        failures = 0
+        try:
+            while not self.stopping:
+                try:
+                    count = self.run_once()
+                except Exception as exc:  # the database went away: keep trying
+                    failures += 1
+                    logger.warning("relay round failed (%s); retrying", describe(exc))
+                    self.pause(self._delay(failures))
+                    continue
+                finally:
+                    self._round_done()
+                if self._broker_trouble:
+                    failures += 1
+                    self.pause(self._delay(failures))
+                    continue
+                failures = 0
+                if count < self.config.batch_size:
+                    listener.wait(self.config.poll_interval.total_seconds(), self)
+        finally:
+            listener.close()
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+
+    def wait_drained(self, timeout: float = 30.0) -> bool:
+        """Block until every committed, unparked row is published; True if within ``timeout``.
+
+        For tests with the relay running in the background: call it after
+        committing, instead of sleeping.
+        """
+        deadline = time.monotonic() + timeout
+        while self.backlog() > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._idle:
+                self._idle.wait(min(left, 0.2))  # woken at the end of each round
+        return True
+
+    async def drained(self, timeout: float = 30.0) -> bool:
+        """``wait_drained`` for asyncio code."""
+        return await asyncio.to_thread(self.wait_drained, timeout)
+
+    def parked(self) -> list[tuple[str, str | None]]:
+        """(event_id, last_error) of rows that failed too often and are no longer tried."""
+        with self.engine.connect() as conn:
+            return self.statements.parked(conn, self.config.max_attempts)
+
+    def backlog(self) -> int:
+        with self.engine.connect() as conn:
+            return self.statements.backlog(conn, self.config.max_attempts)
+
+    def _publish(self, row: Any) -> BaseException | None:
+        headers = dict(row.headers or {})
+        try:
+            sent = self.publisher.publish(row.destination, row.body, row.key, headers)
+            if inspect.isawaitable(sent):
+                assert self._loop is not None, "an async publish needs an async def publish"
+                self._loop.run_until_complete(_awaited(sent))
+        except Exception as exc:
+            if classify(exc) is ErrorKind.TRANSIENT:
+                self._broker_trouble = True  # the broker is away: end the round, back off
+            return exc
+        return None
+
+    def _fail(self, conn: Any, row: Any, error: BaseException) -> None:
+        attempts = row.attempts + 1
+        retry_at = utcnow() + self.config.backoff(attempts)
+        self.statements.mark_failed(conn, row.id, retry_at, describe(error))
+        if attempts >= self.config.max_attempts:
+            logger.error(
+                "outbox event %s parked after %d failed publishes: %s",
+                row.event_id,
+                attempts,
+                describe(error),
+            )
+        else:
+            logger.warning(
+                "publishing outbox event %s failed (attempt %d): %s",
+                row.event_id,
+                attempts,
+                describe(error),
+            )
+
+    def _round_done(self) -> None:
+        with self._idle:
+            self._rounds += 1
+            self._idle.notify_all()
+
+    def _delay(self, failures: int) -> float:
+        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+        state.attempt_number = failures
+        return float(self._backoff(state))
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable

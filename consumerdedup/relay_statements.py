@@ -1,0 +1,151 @@
+"""The relay's SQL: which outbox rows may go now, and what became of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    Connection,
+    Text,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    or_,
+    select,
+    update,
+)
+
+from .schema import Tables
+
+RELAY_LOCKS = 0x0C0E
+"""Advisory-lock namespace (first int) of the relays' per-key locks."""
+WINDOW = 4
+"""Rows scanned per round, as a multiple of the batch size."""
+LOCK_TRIES = 3
+"""Statements a round may spend taking key locks before it settles for what it has."""
+
+
+class RelayStatements:
+    def __init__(self, tables: Tables, dialect: str) -> None:
+        self.table = ob = tables.outbox
+        self.postgres = dialect == "postgresql"
+        older = ob.alias("older")
+        # A key is held back while an older row of it is unpublished and cannot go
+        # now (backing off or parked): its events leave in the order they were added.
+        blocked = exists().where(
+            older.c.key == ob.c.key,
+            older.c.published_at.is_(None),
+            older.c.id < ob.c.id,
+            or_(
+                older.c.available_at > bindparam("now"),
+                older.c.attempts >= bindparam("max_attempts"),
+            ),
+        )
+        self._candidates = (
+            select(ob.c.id, ob.c.key)
+            .where(
+                ob.c.published_at.is_(None),
+                ob.c.available_at <= bindparam("now"),
+                ob.c.attempts < bindparam("max_attempts"),
+                ~blocked,
+            )
+            .order_by(ob.c.id)
+            .limit(bindparam("limit"))
+        )
+        rows = select(
+            ob.c.id,
+            ob.c.event_id,
+            ob.c.destination,
+            ob.c.key,
+            ob.c.body,
+            ob.c.headers,
+            ob.c.attempts,
+        ).where(ob.c.id.in_(bindparam("ids", expanding=True)), ob.c.published_at.is_(None))
+        self._rows = rows.order_by(ob.c.id)
+        if self.postgres:
+            self._rows = self._rows.with_for_update(skip_locked=True)
+            keys = (
+                func.unnest(bindparam("keys", type_=ARRAY(Text)))
+                .table_valued("k")
+                .render_derived(name="keys")
+            )
+            self._lock_keys = select(keys.c.k).where(
+                func.pg_try_advisory_xact_lock(RELAY_LOCKS, func.hashtext(keys.c.k))
+            )
+        self._published = (
+            update(ob)
+            .where(ob.c.id.in_(bindparam("ids", expanding=True)))
+            .values(published_at=bindparam("now"), last_error=None)
+        )
+        self._delete = delete(ob).where(ob.c.id.in_(bindparam("ids", expanding=True)))
+        self._failed = (
+            update(ob)
+            .where(ob.c.id == bindparam("row_id"))
+            .values(
+                attempts=ob.c.attempts + 1,
+                available_at=bindparam("available_at"),
+                last_error=bindparam("error"),
+            )
+        )
+        self._backlog = select(func.count()).where(
+            ob.c.published_at.is_(None), ob.c.attempts < bindparam("max_attempts")
+        )
+        self._parked = select(ob.c.event_id, ob.c.last_error).where(
+            and_(ob.c.published_at.is_(None), ob.c.attempts >= bindparam("max_attempts"))
+        )
+
+    def claim(self, conn: Connection, now: datetime, limit: int, max_attempts: int) -> list[Any]:
+        """Rows this relay alone may publish now, in id order, locked until commit.
+
+        The scan window is wider than a batch so that concurrent relays, finding
+        the first keys locked, take the next ones instead of going home empty.
+        """
+        params = {"now": now, "limit": limit * WINDOW, "max_attempts": max_attempts}
+        candidates = list(conn.execute(self._candidates, params))
+        if self.postgres:
+            candidates = self._lock_keys_for(conn, candidates, limit)
+        ids = [row.id for row in candidates][:limit]
+        return list(conn.execute(self._rows, {"ids": ids}).all()) if ids else []
+
+    def _lock_keys_for(self, conn: Connection, candidates: list[Any], limit: int) -> list[Any]:
+        """Lock keys in order of their oldest row until they cover ``limit`` rows."""
+        per_key: dict[str, int] = {}
+        for row in candidates:
+            if row.key is not None:
+                per_key[row.key] = per_key.get(row.key, 0) + 1
+        loose = sum(1 for row in candidates if row.key is None)
+        waiting = list(per_key)  # first-appearance order is id order
+        mine: set[str] = set()
+        for _ in range(LOCK_TRIES):
+            covered = loose + sum(per_key[k] for k in mine)
+            asking: list[str] = []
+            while waiting and covered + sum(per_key[k] for k in asking) < limit:
+                asking.append(waiting.pop(0))
+            if not asking:
+                break
+            mine.update(conn.execute(self._lock_keys, {"keys": asking}).scalars())
+        return [row for row in candidates if row.key is None or row.key in mine]
+
+    def mark_published(
+        self, conn: Connection, ids: Sequence[int], now: datetime, delete_rows: bool
+    ) -> None:
+        if ids:
+            conn.execute(
+                self._delete if delete_rows else self._published, {"ids": list(ids), "now": now}
+            )
+
+    def mark_failed(self, conn: Connection, row_id: int, retry_at: datetime, error: str) -> None:
+        conn.execute(self._failed, {"row_id": row_id, "available_at": retry_at, "error": error})
+
+    def backlog(self, conn: Connection, max_attempts: int) -> int:
+        """Unpublished rows that are not parked."""
+        return int(conn.execute(self._backlog, {"max_attempts": max_attempts}).scalar_one())
+
+    def parked(self, conn: Connection, max_attempts: int) -> list[tuple[str, str | None]]:
+        rows = conn.execute(self._parked, {"max_attempts": max_attempts})
+        return [(event_id, error) for event_id, error in rows]

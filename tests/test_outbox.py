@@ -1,0 +1,311 @@
+"""Outbox.add and OutboxRelay against SQLite and PostgreSQL, publishing to the MemoryBroker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
+
+from consumerdedup import (
+    Deduplicator,
+    Message,
+    Outbox,
+    OutboxRelay,
+    Outcome,
+    RelayConfig,
+    SimulatedCrash,
+)
+from consumerdedup.runner import ID_HEADER
+from consumerdedup.testing import MemoryBroker
+
+QUICK = RelayConfig(
+    batch_size=50,
+    poll_interval=timedelta(seconds=30),
+    initial_backoff=timedelta(0),
+    max_backoff=timedelta(0),
+    max_attempts=3,
+)
+
+
+def outbox_rows(db: Any) -> list[Any]:
+    ob = db.tables.outbox
+    with db.engine.connect() as conn:
+        return list(conn.execute(select(ob).order_by(ob.c.id)))
+
+
+def add_events(db: Any, events: list[tuple[str, str | None]], topic: str = "orders") -> list[str]:
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session, session.begin():
+        return [outbox.add(session, topic, body.encode(), key=key) for body, key in events]
+
+
+def test_rollback_leaves_no_event_and_commit_leaves_exactly_one(db: Any) -> None:
+    ledger = db.create_ledger()
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session:
+        session.execute(text(f"INSERT INTO {ledger} VALUES ('a', 1, 'm-1')"))
+        outbox.add(session, "orders", b"{}", key="a")
+        session.rollback()
+    assert outbox_rows(db) == []
+    with Session(db.engine) as session, session.begin():
+        session.execute(text(f"INSERT INTO {ledger} VALUES ('a', 1, 'm-1')"))
+        event_id = outbox.add(session, "orders", b'{"n": 1}', key="a", headers={"trace": "t1"})
+    [row] = outbox_rows(db)
+    assert row.event_id == event_id and row.key == "a" and row.body == b'{"n": 1}'
+    assert row.headers == {"trace": "t1", ID_HEADER: event_id}
+    assert row.published_at is None and row.attempts == 0
+
+
+def test_event_ids_are_unique_and_time_ordered(db: Any) -> None:
+    ids = add_events(db, [(f"{n}", None) for n in range(200)])
+    assert len(set(ids)) == 200
+    assert ids == sorted(ids)  # UUIDv7: creation order is string order
+
+
+def test_a_handler_writes_and_emits_in_one_transaction(db: Any) -> None:
+    """The downstream consumer dedups what the relay publishes, by event_id."""
+    ledger = db.create_ledger()
+    broker = MemoryBroker()
+    outbox = Outbox(db.tables)
+    orders = Deduplicator(db.engine, consumer="orders", tables=db.tables)
+
+    @orders.handler
+    def place(message: Message, session: Session) -> None:
+        session.execute(text(f"INSERT INTO {ledger} VALUES ('o', 1, :m)"), {"m": message.id})
+        outbox.add(session, "shipping", message.body, key="customer-1")
+
+    assert place(Message(id="order-1", body=b"{}")) is Outcome.PROCESSED
+    assert place(Message(id="order-1", body=b"{}")) is Outcome.DUPLICATE
+    relay = OutboxRelay(db.engine, broker, tables=db.tables, config=QUICK)
+    assert relay.drain() == 1
+    assert relay.drain() == 0
+    [event] = broker.messages("shipping")
+    assert event.id == outbox_rows(db)[0].event_id
+    assert outbox_rows(db)[0].published_at is not None
+
+
+async def test_add_with_an_async_session(db: Any) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    engine = db.async_engine()
+    outbox = Outbox(db.tables)
+    async with AsyncSession(engine) as session, session.begin():
+        event_id = await outbox.add(session, "orders", b"x", key="k")
+    await engine.dispose()
+    assert [r.event_id for r in outbox_rows(db)] == [event_id]
+
+
+def test_relay_publishes_each_key_in_order_and_marks_rows(db: Any) -> None:
+    ids = add_events(db, [(f"e{n}", f"k{n % 3}") for n in range(120)])
+    broker = MemoryBroker()
+    relay = OutboxRelay(db.engine, broker, tables=db.tables, config=QUICK)
+    assert relay.run_once() == 50
+    assert relay.drain() == 70
+    published = broker.messages("orders")
+    assert sorted(m.id for m in published) == sorted(ids)
+    for key in range(3):
+        of_key = [int(m.body[1:]) for m in published if int(m.body[1:]) % 3 == key]
+        assert of_key == sorted(of_key)
+    assert all(r.published_at is not None for r in outbox_rows(db))
+
+
+def test_delete_published_removes_rows(db: Any) -> None:
+    add_events(db, [("a", None), ("b", None)])
+    config = RelayConfig(batch_size=10, delete_published=True)
+    relay = OutboxRelay(db.engine, MemoryBroker(), tables=db.tables, config=config)
+    assert relay.drain() == 2
+    assert outbox_rows(db) == []
+
+
+class FlakyPublisher:
+    """Fails chosen events a number of times, the way a refusing broker would."""
+
+    def __init__(self, failures: dict[str, int], error: type[Exception] = ValueError) -> None:
+        self.broker = MemoryBroker()
+        self.failures = dict(failures)
+        self.error = error
+        self.calls: list[str] = []
+
+    def publish(
+        self, destination: str, body: bytes, key: str | None = None, headers: Any = None
+    ) -> None:
+        self.calls.append(body.decode())
+        if self.failures.get(body.decode(), 0) > 0:
+            self.failures[body.decode()] -= 1
+            raise self.error(f"refused {body.decode()}")
+        self.broker.publish(destination, body, key, headers)
+
+
+def test_a_failing_event_holds_back_its_key_only(db: Any) -> None:
+    add_events(db, [("a1", "a"), ("b1", "b"), ("a2", "a"), ("b2", "b"), ("n1", None)])
+    publisher = FlakyPublisher({"a1": 1})
+    relay = OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK)
+    assert relay.run_once() == 3
+    published = [m.body.decode() for m in publisher.broker.messages("orders")]
+    assert published == ["b1", "b2", "n1"]  # a2 waits behind a1
+    row = next(r for r in outbox_rows(db) if r.body == b"a1")
+    assert row.attempts == 1 and "refused a1" in row.last_error
+    assert relay.drain() == 2
+    published = [m.body.decode() for m in publisher.broker.messages("orders")]
+    assert published == ["b1", "b2", "n1", "a1", "a2"]
+
+
+def test_an_event_that_keeps_failing_is_parked_and_reported(
+    db: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    add_events(db, [("p1", "p"), ("p2", "p"), ("q1", "q")])
+    publisher = FlakyPublisher({"p1": 99})
+    relay = OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK)
+    for _ in range(QUICK.max_attempts + 2):
+        relay.run_once()
+    assert publisher.calls.count("p1") == QUICK.max_attempts  # then no longer tried
+    [(_, error)] = relay.parked()
+    assert "refused p1" in (error or "")
+    assert "parked" in caplog.text
+    # Never dropped, and the key's later event stays behind it: order over progress.
+    assert [m.body for m in publisher.broker.messages("orders")] == [b"q1"]
+    assert relay.backlog() == 1  # p2
+
+
+def test_broker_away_ends_the_round_and_nothing_is_lost(db: Any) -> None:
+    add_events(db, [(f"e{n}", None) for n in range(10)])
+    publisher = FlakyPublisher({"e3": 2}, error=ConnectionError)
+    relay = OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK)
+    assert relay.run_once() == 3  # e0..e2, then the broker went away: stop the round
+    assert publisher.calls == ["e0", "e1", "e2", "e3"]
+    assert relay.drain() == 0  # still away: drain() stops rather than spin
+    assert relay.drain() == 7  # back
+    assert sorted(m.body.decode() for m in publisher.broker.messages("orders")) == sorted(
+        f"e{n}" for n in range(10)
+    )
+
+
+def test_relay_killed_after_confirmation_republishes_and_downstream_dedups(db: Any) -> None:
+    ledger = db.create_ledger()
+    add_events(db, [("e0", None), ("e1", None)])
+    broker = MemoryBroker()
+
+    class DiesAfterConfirm:
+        def publish(self, destination: str, body: bytes, key: Any = None, headers: Any = None):  # type: ignore[no-untyped-def]
+            broker.publish(destination, body, key, headers)  # confirmed...
+            raise SimulatedCrash("killed before marking the row published")
+
+    with pytest.raises(SimulatedCrash):
+        OutboxRelay(db.engine, DiesAfterConfirm(), tables=db.tables, config=QUICK).run_once()
+    assert all(r.published_at is None for r in outbox_rows(db))
+    OutboxRelay(db.engine, broker, tables=db.tables, config=QUICK).drain()
+    deliveries = broker.messages("orders")
+    assert [m.body for m in deliveries] == [b"e0", b"e0", b"e1"]  # e0 twice: at least once
+
+    downstream = Deduplicator(db.engine, consumer="downstream", tables=db.tables)
+
+    @downstream.handler
+    def apply(message: Message, session: Session) -> None:
+        session.execute(text(f"INSERT INTO {ledger} VALUES ('d', 1, :m)"), {"m": message.id})
+
+    outcomes = [apply(m) for m in deliveries]
+    assert outcomes == [Outcome.PROCESSED, Outcome.DUPLICATE, Outcome.PROCESSED]
+    assert db.scalar(f"SELECT count(*) FROM {ledger}") == 2
+
+
+def test_three_relays_at_once_keep_per_key_order_and_publish_everything(pg: Any) -> None:
+    keys = [f"k{n}" for n in range(60)]
+    events = [(f"{keys[n % 60]}:{n}", keys[n % 60]) for n in range(2400)] + [
+        (f"none:{n}", None) for n in range(100)
+    ]
+    for start in range(0, len(events), 250):
+        add_events(pg, events[start : start + 250])
+    broker = MemoryBroker()
+    config = RelayConfig(batch_size=40, poll_interval=timedelta(seconds=0.05))
+    relays = [OutboxRelay(pg.engine, broker, tables=pg.tables, config=config) for _ in range(3)]
+    threads = [threading.Thread(target=relay.run) for relay in relays]
+    for thread in threads:
+        thread.start()
+    try:
+        assert relays[0].wait_drained(120)
+    finally:
+        for relay in relays:
+            relay.stop()
+        for thread in threads:
+            thread.join(30)
+    assert sum(relay.published for relay in relays) == len(events)  # none published twice
+    assert all(relay.published > 0 for relay in relays), [r.published for r in relays]
+    seen: dict[str, list[int]] = defaultdict(list)
+    for message in broker.messages("orders"):
+        key, n = message.body.decode().split(":")
+        seen[key].append(int(n))
+    assert sum(len(v) for v in seen.values()) == len(events)
+    for key in keys:
+        assert seen[key] == sorted(seen[key]), f"key {key} out of order"
+
+
+def test_same_key_producers_commit_in_id_order(pg: Any) -> None:
+    """A second transaction adding the same key waits for the first to commit."""
+    outbox = Outbox(pg.tables)
+    first = Session(pg.engine)
+    outbox.add(first, "orders", b"first", key="k")
+    second_done = threading.Event()
+
+    def second() -> None:
+        with Session(pg.engine) as session, session.begin():
+            outbox.add(session, "orders", b"second", key="k")
+        second_done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    assert not second_done.wait(0.5)  # blocked on the key while the first is open
+    first.commit()
+    first.close()
+    thread.join(10)
+    assert second_done.is_set()
+    assert [r.body for r in outbox_rows(pg)] == [b"first", b"second"]
+
+
+def test_an_idle_relay_is_woken_by_notify_not_the_poll_interval(pg: Any) -> None:
+    broker = MemoryBroker()
+    config = RelayConfig(poll_interval=timedelta(seconds=60))
+    relay = OutboxRelay(pg.engine, broker, tables=pg.tables, config=config)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        assert relay.wait_drained(10)  # idle now, listening
+        started = time.monotonic()
+        add_events(pg, [("hello", "k")])
+        deadline = started + 10
+        while not broker.messages("orders") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [m.body for m in broker.messages("orders")] == [b"hello"]
+        assert time.monotonic() - started < 10 < config.poll_interval.total_seconds()
+    finally:
+        relay.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_wait_drained_with_a_background_relay(db: Any) -> None:
+    broker = MemoryBroker()
+    relay = OutboxRelay(
+        db.engine,
+        broker,
+        tables=db.tables,
+        config=RelayConfig(poll_interval=timedelta(seconds=0.05)),
+    )
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        add_events(db, [(f"e{n}", None) for n in range(30)])
+        assert relay.wait_drained(20)
+        assert len(broker.messages("orders")) == 30
+    finally:
+        relay.stop()
+        thread.join(10)
+    with db.engine.connect() as conn:
+        ob = db.tables.outbox
+        unpublished = conn.execute(select(func.count()).where(ob.c.published_at.is_(None))).scalar()
+    assert unpublished == 0
