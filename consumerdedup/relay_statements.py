@@ -34,25 +34,30 @@ class RelayStatements:
     def __init__(self, tables: Tables, dialect: str) -> None:
         self.table = ob = tables.outbox
         self.postgres = dialect == "postgresql"
-        older = ob.alias("older")
-        # A key is held back while an older row of it is unpublished and cannot go
-        # now (backing off or parked): its events leave in the order they were added.
-        blocked = exists().where(
-            older.c.key == ob.c.key,
-            older.c.published_at.is_(None),
-            older.c.id < ob.c.id,
-            or_(
-                older.c.available_at > bindparam("now"),
-                older.c.attempts >= bindparam("max_attempts"),
-            ),
+        # A key is held back from its oldest row that failed and cannot go now (backing
+        # off, or parked): its events leave in the order they were added. Only rows
+        # that failed before (attempts > 0) can hold a key back, and they are few.
+        cannot_go = ob.c.attempts >= bindparam("max_attempts")
+        blocked = (
+            select(ob.c.key, func.min(ob.c.id).label("from_id"))
+            .where(
+                ob.c.published_at.is_(None),
+                ob.c.attempts > 0,
+                ob.c.key.is_not(None),
+                or_(ob.c.available_at > bindparam("now"), cannot_go),
+            )
+            .group_by(ob.c.key)
+            .cte("blocked")
         )
+        held_back = exists().where(blocked.c.key == ob.c.key, blocked.c.from_id < ob.c.id)
         self._candidates = (
             select(ob.c.id, ob.c.key)
             .where(
                 ob.c.published_at.is_(None),
-                ob.c.available_at <= bindparam("now"),
-                ob.c.attempts < bindparam("max_attempts"),
-                ~blocked,
+                ~cannot_go,
+                # A fresh row may always go: its available_at is only the writer's clock.
+                or_(ob.c.attempts == 0, ob.c.available_at <= bindparam("now")),
+                ~held_back,
             )
             .order_by(ob.c.id)
             .limit(bindparam("limit"))

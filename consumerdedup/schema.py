@@ -109,7 +109,7 @@ class Tables:
             Column("available_at", DateTime(timezone=True), nullable=False),
             Column("published_at", DateTime(timezone=True), nullable=True),
             Column("last_error", Text, nullable=True),
-            # The relay's scans: unpublished rows in id order, and per key for the order rule.
+            # The relay's scans: unpublished rows in id order, and the few failing ones by key.
             Index(
                 _index_name(ob_name, "unpublished"),
                 "id",
@@ -117,11 +117,11 @@ class Tables:
                 sqlite_where=text("published_at IS NULL"),
             ),
             Index(
-                _index_name(ob_name, "key_unpublished"),
+                _index_name(ob_name, "failing"),
                 "key",
                 "id",
-                postgresql_where=text("published_at IS NULL"),
-                sqlite_where=text("published_at IS NULL"),
+                postgresql_where=text("published_at IS NULL AND attempts > 0"),
+                sqlite_where=text("published_at IS NULL AND attempts > 0"),
             ),
             Index(_index_name(ob_name, "published_at"), "published_at"),
             schema=ob_schema,
