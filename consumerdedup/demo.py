@@ -1,14 +1,17 @@
 """The embedded demo: a payments consumer on SQLite and the in-memory broker, under fire.
 
-Payments credit accounts. The broker redelivers acked messages at random (as
-after a lost ack or a rebalance), the producer retries some publishes, the
-consumer is killed between commit and ack several times and restarted, and
+Payments credit accounts, and each credit emits an event through the outbox
+that a downstream consumer turns into a notification. The broker redelivers
+acked messages at random (as after a lost ack or a rebalance), the producer
+retries some publishes, the consumer is killed between commit and ack several
+times and restarted, the relay is killed once after a broker confirmation, and
 the stream carries a malformed message and a reused id. At the end every
 balance must be exactly the sum of the distinct payments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -16,20 +19,24 @@ import tempfile
 from collections import Counter, defaultdict
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from .deduplicator import Deduplicator
+from .deduplicator import DedupHandler, Deduplicator
 from .errors import PermanentError, SimulatedCrash
 from .message import Message
+from .outbox import Outbox
 from .outcome import Outcome
+from .relay import OutboxRelay
+from .runner import REASON_HEADER
 from .schema import install
 from .testing import MemoryBroker, MemoryConsumerRunner
 from .testing.memory_broker import Delivery
 
 QUEUE = "payments"
+EVENTS = "account-events"
 ACCOUNTS = [f"ACC-{n:03d}" for n in range(1, 21)]
 PAYMENTS = 1_000
 CRASHES = 8
@@ -54,6 +61,7 @@ def _run(path: Path, out: TextIO) -> int:
     with engine.begin() as conn:
         conn.execute(text("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER NOT NULL)"))
         conn.execute(text("INSERT INTO accounts VALUES (:id, 0)"), [{"id": a} for a in ACCOUNTS])
+        conn.execute(text("CREATE TABLE notifications (event_id TEXT NOT NULL)"))
 
     rng = random.Random(2026)
     broker = MemoryBroker(duplicate_rate=0.15, seed=7)
@@ -62,9 +70,10 @@ def _run(path: Path, out: TextIO) -> int:
     for n in sorted(crash_points):
         broker.crash_before_ack(partial(_is_offset, n))
 
-    dedup = Deduplicator(engine, consumer="ledger")
+    outbox = Outbox()
+    ledger = Deduplicator(engine, consumer="ledger")
 
-    @dedup.handler
+    @ledger.handler
     def credit(message: Message, session: Session) -> None:
         payment = message.json()
         if payment.get("account") not in ACCOUNTS:
@@ -73,11 +82,93 @@ def _run(path: Path, out: TextIO) -> int:
             text("UPDATE accounts SET balance = balance + :amount WHERE id = :account"),
             payment,
         )
+        # Emitted in the same transaction: the event exists if and only if the credit does.
+        outbox.add(session, EVENTS, message.body, key=payment["account"])
 
+    outcomes, restarts = _consume(broker, QUEUE, credit)
+    first_stage = (broker.published, broker.delivered, broker.redelivered)
+
+    # The relay dies once right after the broker confirmed a few events, before
+    # marking them published: they go out twice, and the downstream dedups them.
+    dying = _DiesOnce(broker, after=5)
+    with contextlib.suppress(SimulatedCrash):
+        OutboxRelay(engine, dying).drain()
+    OutboxRelay(engine, broker).drain()
+
+    notifications = Deduplicator(engine, consumer="notifications")
+
+    @notifications.handler
+    def notify(message: Message, session: Session) -> None:
+        session.execute(text("INSERT INTO notifications VALUES (:id)"), {"id": message.id})
+
+    downstream, _ = _consume(broker, EVENTS, notify)
+
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, balance FROM accounts")).tuples()
+        balances: dict[str, int] = dict(rows.all())
+        records = conn.execute(text("SELECT count(*) FROM processed_events")).scalar()
+        sent = conn.execute(text("SELECT count(*) FROM notifications")).scalar_one()
+    engine.dispose()
+    published, delivered, redelivered = first_stage
+    lines = [
+        "consumerdedup demo: payments consumer on SQLite + in-memory broker",
+        "",
+        f"  payments published            {PAYMENTS:>6}",
+        f"    + producer retries, bad     {published - PAYMENTS:>6}",
+        f"  deliveries                    {delivered:>6}",
+        f"    redelivered                 {redelivered:>6}",
+        f"  crashes between commit & ack  {restarts:>6}  (consumer restarted each time)",
+        f"  processed (handler ran)       {outcomes[Outcome.PROCESSED]:>6}",
+        f"  duplicates skipped            {outcomes[Outcome.DUPLICATE]:>6}",
+        f"  failed -> dead-letter queue   {outcomes[Outcome.FAILED]:>6}",
+        f"  dedup records (2 consumers)   {records!s:>6}",
+        "",
+        "  dead letters:",
+        *(f"    {m.id}: {m.headers.get(REASON_HEADER)}" for m in broker.messages(QUEUE + ".dlq")),
+        "",
+        "  outbox: each credit emitted an event in the same transaction as the credit",
+        f"  events published by the relay {broker.published - published:>6}  "
+        "(relay killed once after a confirm: some went twice)",
+        f"  notifications sent downstream {downstream[Outcome.PROCESSED]:>6}",
+        f"    duplicates skipped          {downstream[Outcome.DUPLICATE]:>6}",
+        "",
+    ]
+    failures = _check(expected, balances, outcomes, downstream, sent)
+    lines += [f"  FAIL: {failure}" for failure in failures] or [
+        f"  OK: all {len(ACCOUNTS)} account balances are exact (total {sum(balances.values())}):"
+        " every payment applied exactly once",
+        f"  OK: {sent} notifications for {PAYMENTS} credits: every event handled exactly once",
+    ]
+    out.write("\n".join(lines) + "\n")
+    return 1 if failures else 0
+
+
+def _check(
+    expected: dict[str, int],
+    balances: dict[str, int],
+    outcomes: Counter[Outcome],
+    downstream: Counter[Outcome],
+    sent: int,
+) -> list[str]:
+    failures = []
+    wrong = {a: (balances[a], expected[a]) for a in ACCOUNTS if balances[a] != expected[a]}
+    if wrong:
+        failures.append(f"{len(wrong)} balances are wrong (actual, expected): {wrong}")
+    if outcomes[Outcome.PROCESSED] != PAYMENTS:
+        failures.append(f"{outcomes[Outcome.PROCESSED]} payments processed, not {PAYMENTS}")
+    if sent != PAYMENTS or downstream[Outcome.PROCESSED] != PAYMENTS:
+        failures.append(f"{sent} notifications for {PAYMENTS} credits")
+    return failures
+
+
+def _consume(
+    broker: MemoryBroker, queue: str, handler: DedupHandler
+) -> tuple[Counter[Outcome], int]:
+    """Run consumers until the queue is empty, restarting each one that crashes."""
     restarts = 0
     outcomes: Counter[Outcome] = Counter()
     while True:
-        runner = MemoryConsumerRunner(broker, QUEUE, credit, batch_size=10)
+        runner = MemoryConsumerRunner(broker, queue, handler, batch_size=10)
         try:
             runner.run(until_idle=True)
         except SimulatedCrash:
@@ -85,15 +176,24 @@ def _run(path: Path, out: TextIO) -> int:
             continue
         finally:
             outcomes.update(runner.outcomes)
-        break
+        return outcomes, restarts
 
-    with engine.connect() as conn:
-        rows = conn.execute(text("SELECT id, balance FROM accounts")).tuples()
-        balances: dict[str, int] = dict(rows.all())
-        records = conn.execute(text("SELECT count(*) FROM processed_events")).scalar()
-    engine.dispose()
-    dead = broker.messages(QUEUE + ".dlq")
-    return _report(out, broker, outcomes, restarts, expected, balances, records, dead)
+
+class _DiesOnce:
+    """A publisher that dies after ``after`` confirmed publishes, before the relay can mark them."""
+
+    def __init__(self, broker: MemoryBroker, after: int) -> None:
+        self.broker = broker
+        self.after = after
+        self.published = 0
+
+    def publish(
+        self, destination: str, body: bytes, key: str | None = None, headers: Any = None
+    ) -> None:
+        self.broker.publish(destination, body, key, headers)
+        self.published += 1
+        if self.published == self.after:
+            raise SimulatedCrash("relay killed after the broker confirmed")
 
 
 def _is_offset(offset: int, delivery: Delivery) -> bool:
@@ -115,43 +215,3 @@ def _publish(broker: MemoryBroker, rng: random.Random) -> dict[str, int]:
     # A buggy producer reuses an id for a different payment: reported, never applied.
     broker.publish(QUEUE, b'{"account": "ACC-001", "amount": 1000000}', message_id="pay-00000")
     return expected
-
-
-def _report(
-    out: TextIO,
-    broker: MemoryBroker,
-    outcomes: Counter[Outcome],
-    restarts: int,
-    expected: dict[str, int],
-    balances: dict[str, int],
-    records: object,
-    dead: list[Message],
-) -> int:
-    wrong = {a: (balances[a], expected[a]) for a in ACCOUNTS if balances[a] != expected[a]}
-    lines = [
-        "consumerdedup demo: payments consumer on SQLite + in-memory broker",
-        "",
-        f"  payments published            {PAYMENTS:>6}",
-        f"    + producer retries, bad     {broker.published - PAYMENTS:>6}",
-        f"  deliveries                    {broker.delivered:>6}",
-        f"    redelivered                 {broker.redelivered:>6}",
-        f"  crashes between commit & ack  {restarts:>6}  (consumer restarted each time)",
-        f"  processed (handler ran)       {outcomes[Outcome.PROCESSED]:>6}",
-        f"  duplicates skipped            {outcomes[Outcome.DUPLICATE]:>6}",
-        f"  failed -> dead-letter queue   {outcomes[Outcome.FAILED]:>6}",
-        f"  dedup records                 {records!s:>6}",
-        "",
-        "  dead letters:",
-        *(f"    {m.id}: {m.headers.get('x-dead-letter-reason')}" for m in dead),
-        "",
-    ]
-    if wrong:
-        lines.append(f"  FAIL: {len(wrong)} balances are wrong: {wrong}")
-    else:
-        total = sum(balances.values())
-        lines.append(
-            f"  OK: all {len(ACCOUNTS)} account balances are exact (total {total}): "
-            "every payment applied exactly once"
-        )
-    out.write("\n".join(lines) + "\n")
-    return 1 if wrong or outcomes[Outcome.PROCESSED] != PAYMENTS else 0
