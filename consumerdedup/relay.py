@@ -86,8 +86,7 @@ class OutboxRelay(StopSwitch):
         self.statements = RelayStatements(tables, engine.dialect.name)
         self.published = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        if inspect.iscoroutinefunction(publisher.publish):
-            self._loop = asyncio.new_event_loop()
+        self._entered = False
         self._idle = threading.Condition()
         self._rounds = 0
         self._broker_trouble = False
@@ -153,9 +152,38 @@ class OutboxRelay(StopSwitch):
                     listener.wait(self.config.poll_interval.total_seconds(), self)
         finally:
             listener.close()
-            if self._loop is not None:
-                self._loop.close()
-                self._loop = None
+            self.close()
+
+    def close(self) -> None:
+        """Leave the async publisher's context and close the relay's event loop, if any."""
+        if self._loop is None:
+            return
+        try:
+            if self._entered:
+                self._loop.run_until_complete(self.publisher.__aexit__(None, None, None))  # type: ignore[attr-defined]
+        finally:
+            self._entered = False
+            self._loop.close()
+            self._loop = None
+
+    def __enter__(self) -> OutboxRelay:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run_async(self, awaitable: Any) -> Any:
+        """Run an async publisher's coroutine on the relay's own loop (started on first use).
+
+        An async publisher that is an async context manager (an aiokafka-based
+        one, say) is entered on that loop, since its client binds to the loop.
+        """
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        if not self._entered and hasattr(self.publisher, "__aenter__"):
+            self._loop.run_until_complete(self.publisher.__aenter__())
+            self._entered = True
+        return self._loop.run_until_complete(_awaited(awaitable))
 
     def wait_drained(self, timeout: float = 30.0) -> bool:
         """Block until every committed, unparked row is published; True if within ``timeout``.
@@ -190,8 +218,7 @@ class OutboxRelay(StopSwitch):
         try:
             sent = self.publisher.publish(row.destination, row.body, row.key, headers)
             if inspect.isawaitable(sent):
-                assert self._loop is not None, "an async publish needs an async def publish"
-                self._loop.run_until_complete(_awaited(sent))
+                self._run_async(sent)
         except Exception as exc:
             if classify(exc) is ErrorKind.TRANSIENT:
                 self._broker_trouble = True  # the broker is away: end the round, back off

@@ -309,3 +309,35 @@ def test_wait_drained_with_a_background_relay(db: Any) -> None:
         ob = db.tables.outbox
         unpublished = conn.execute(select(func.count()).where(ob.c.published_at.is_(None))).scalar()
     assert unpublished == 0
+
+
+def test_an_async_publisher_runs_on_the_relays_own_loop(db: Any) -> None:
+    import asyncio
+
+    class AsyncMemoryPublisher:
+        def __init__(self) -> None:
+            self.broker = MemoryBroker()
+            self.loop: Any = None
+            self.entered = self.exited = 0
+
+        async def __aenter__(self) -> AsyncMemoryPublisher:
+            self.entered += 1
+            self.loop = asyncio.get_running_loop()
+            return self
+
+        async def __aexit__(self, *exc_info: object) -> None:
+            self.exited += 1
+
+        async def publish(
+            self, destination: str, body: bytes, key: str | None = None, headers: Any = None
+        ) -> None:
+            assert asyncio.get_running_loop() is self.loop  # entered on the loop it runs on
+            await asyncio.sleep(0)
+            self.broker.publish(destination, body, key, headers)
+
+    add_events(db, [("a", "k"), ("b", "k"), ("c", None)])
+    publisher = AsyncMemoryPublisher()
+    with OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK) as relay:
+        assert relay.drain() == 3
+    assert [m.body for m in publisher.broker.messages("orders")] == [b"a", b"b", b"c"]
+    assert (publisher.entered, publisher.exited) == (1, 1)
