@@ -126,7 +126,7 @@ class Pipeline:
             else:
                 fresh = [item for item in unknown if item.refused is None]
                 conflicted = False
-            if batch.careful and len(fresh) > 1:
+            if batch.careful:
                 lost = yield from self._run_guarded(fresh, handled)
                 conflicted = conflicted or lost
             elif not (yield from self._run_optimistic(fresh, handled)):

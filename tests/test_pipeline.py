@@ -289,3 +289,23 @@ def test_dead_letter_callback_that_raises_leaves_the_message_for_redelivery(
     result = handle.process(refused)
     assert result.outcome is Outcome.RETRY  # not acked: the dead letter must not be lost
     assert "dead-letter queue unreachable" in (result.reason or "")
+
+
+@pytest.mark.parametrize("failure", ["permanent", "retry"])
+def test_a_failure_in_a_pair_still_records_the_other(db: Any, flavor: Any, failure: str) -> None:
+    """After the optimistic pass fails, the redo of the one good message is recorded too."""
+    ledger = db.create_ledger()
+    one_try = RetryPolicy(attempts=1, initial_delay=timedelta(0), max_delay=timedelta(0))
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        if message.id == "bad":
+            raise PermanentError("no") if failure == "permanent" else RetryLater("later")
+        return credit(ledger)(message)
+
+    handle = flavor.wrap(behavior, consumer="ledger", retry=one_try)
+    outcomes = handle.batch([payment("good"), payment("bad")])
+    assert outcomes[0] is Outcome.PROCESSED
+    assert outcomes[1] is (Outcome.FAILED if failure == "permanent" else Outcome.RETRY)
+    assert recorded(db)["good"] == ("processed", None)
+    assert handle(payment("good")) is Outcome.DUPLICATE
+    assert rows(db, ledger) == [("alice", 10, "good")]
