@@ -144,8 +144,11 @@ class Pipeline:
                 return AttemptReport(pending=True, backoff=False)
             yield Commit()
         except Exception as exc:  # the transaction itself failed: nothing of it stands
-            for item in handled:
-                self._note_failure(item, exc)
+            # Every undecided item pays an attempt, or an unreachable database would
+            # be retried forever instead of ending in RETRY.
+            for item in todo:
+                if item.result is None:
+                    self._note_failure(item, exc)
             return AttemptReport(pending=self._pending(todo), backoff=True)
         for item in handled:
             item.decide(Outcome.PROCESSED)

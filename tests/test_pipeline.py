@@ -309,3 +309,24 @@ def test_a_failure_in_a_pair_still_records_the_other(db: Any, flavor: Any, failu
     assert recorded(db)["good"] == ("processed", None)
     assert handle(payment("good")) is Outcome.DUPLICATE
     assert rows(db, ledger) == [("alice", 10, "good")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("claim_first", [True, False])
+def test_an_unreachable_database_ends_in_retry_not_a_hang(
+    tmp_path: Any, postgres_url: str, claim_first: bool
+) -> None:
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    from consumerdedup import Deduplicator
+
+    for url in (
+        make_url(postgres_url).set(port=1).render_as_string(False),
+        f"sqlite:///{tmp_path}/no/such/folder/db.sqlite",
+    ):
+        dedup = Deduplicator(create_engine(url), consumer="c", retry=FAST)
+        handle = dedup.handler(claim_first=claim_first)(lambda message, session: None)
+        results = handle.process_batch([payment("p-1"), payment("p-2")])
+        assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY]
+        assert all(r.attempts == FAST.attempts for r in results)
