@@ -108,15 +108,18 @@ class OutboxRelay(StopSwitch):
             for row in rows:
                 if row.key is not None and row.key in held_keys:
                     continue  # an older row of this key failed in this round: keep the order
-                if self._broker_trouble:
-                    break
                 error = self._publish(row)
                 if error is None:
                     done.append(row.id)
-                    continue
-                if row.key is not None:
-                    held_keys.add(row.key)
-                self._fail(conn, row, error)
+                elif self._broker_trouble:
+                    # The broker is away, not refusing this row: charge no attempt (a long
+                    # outage must not park healthy events), end the round, back off.
+                    logger.warning("broker unavailable: %s; backing off", describe(error))
+                    break
+                else:
+                    if row.key is not None:
+                        held_keys.add(row.key)
+                    self._fail(conn, row, error)
             self.statements.mark_published(conn, done, utcnow(), self.config.delete_published)
         self.published += len(done)
         return len(done)
