@@ -24,9 +24,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check consumerdedup adapters tests bench examples
 	$(BIN)/ruff format --check consumerdedup adapters tests bench examples
 	$(BIN)/mypy
+	$(BIN)/mypy adapters/__init__.py adapters/rabbitmq
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pipeline.py
+	$(BIN)/python bench/bench_rabbitmq.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

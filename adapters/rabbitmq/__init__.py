@@ -1,8 +1,41 @@
 """RabbitMQ adapter (pika): RabbitConsumerRunner and RabbitPublisher."""
 
 try:
-    import pika  # noqa: F401
+    import pika  # type: ignore[import-untyped]  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "consumerdedup.adapters.rabbitmq needs pika: pip install 'consumerdedup[rabbitmq]'"
     ) from exc
+
+from consumerdedup.publisher import Publisher
+
+from .config import DEFAULT_URL, KeyFunction, RabbitConfig
+from .convert import SOURCE_HEADER, Delivery
+from .errors import (
+    BrokerUnavailable,
+    PublishFailed,
+    PublishNacked,
+    RabbitError,
+    TopologyError,
+    Unroutable,
+)
+from .publisher import RabbitPublisher, route
+from .runner import RabbitConsumerRunner
+
+__all__ = [
+    "DEFAULT_URL",
+    "SOURCE_HEADER",
+    "BrokerUnavailable",
+    "Delivery",
+    "KeyFunction",
+    "PublishFailed",
+    "PublishNacked",
+    "Publisher",
+    "RabbitConfig",
+    "RabbitConsumerRunner",
+    "RabbitError",
+    "RabbitPublisher",
+    "TopologyError",
+    "Unroutable",
+    "route",
+]

@@ -1,0 +1,110 @@
+"""Connection parameters from a URL plus pass-through options, and connecting with backoff."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import pika  # type: ignore[import-untyped]
+import pika.exceptions  # type: ignore[import-untyped]
+import tenacity
+
+from consumerdedup import ConfigurationError
+
+from .errors import BrokerUnavailable
+
+log = logging.getLogger("consumerdedup.rabbitmq")
+
+# Retrying cannot fix these: wrong credentials, a missing vhost, a non-AMQP port.
+_REFUSED = (
+    pika.exceptions.AuthenticationError,
+    pika.exceptions.ProbableAuthenticationError,
+    pika.exceptions.ProbableAccessDeniedError,
+    pika.exceptions.IncompatibleProtocolError,
+)
+
+
+def parameters(url: str, options: Mapping[str, Any], name: str) -> Any:
+    """pika URLParameters for ``url`` with ``options`` set over it and ``name`` as connection name.
+
+    Raises ConfigurationError for a bad URL or option, before anything connects.
+    """
+    try:
+        params = pika.URLParameters(url)
+        for option, value in options.items():
+            if not isinstance(getattr(type(params), option, None), property):
+                raise ConfigurationError(f"unknown pika connection option {option!r}")
+            setattr(params, option, value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"cannot use RabbitMQ URL/options: {exc}") from exc
+    properties = dict(params.client_properties or {})
+    properties.setdefault("connection_name", name)
+    params.client_properties = properties
+    return params
+
+
+def connect(
+    params: Any,
+    *,
+    delay: timedelta,
+    max_delay: timedelta,
+    give_up_after: timedelta | None,
+    stopping: Callable[[], bool],
+    pause: Callable[[float], Any],
+) -> Any:
+    """A BlockingConnection, retried with exponential backoff and jitter; None if stopped first."""
+    stop: Any = lambda state: stopping()  # noqa: E731 - tenacity takes any callable
+    if give_up_after is not None:
+        stop = tenacity.stop_any(stop, tenacity.stop_after_delay(give_up_after.total_seconds()))
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(
+            lambda exc: (
+                isinstance(exc, pika.exceptions.AMQPConnectionError)
+                and not isinstance(exc, _REFUSED)
+            )
+        ),
+        wait=backoff(delay, max_delay),
+        stop=stop,
+        sleep=pause,
+        before_sleep=_log_attempt,
+        reraise=True,
+    )
+    where = f"{params.host}:{params.port}"
+    try:
+        return retrying(pika.BlockingConnection, params)
+    except _REFUSED as exc:
+        raise BrokerUnavailable(f"RabbitMQ at {where} refused the connection: {exc!r}") from exc
+    except pika.exceptions.AMQPConnectionError as exc:
+        if stopping():
+            return None
+        raise BrokerUnavailable(f"cannot connect to RabbitMQ at {where}: {exc!r}") from exc
+
+
+def backoff(delay: timedelta, max_delay: timedelta) -> Any:
+    """Exponential from ``delay`` up to ``max_delay``, plus up to ``delay`` of jitter."""
+    first, longest = delay.total_seconds(), max_delay.total_seconds()
+    return tenacity.wait_exponential(multiplier=first, max=longest) + tenacity.wait_random(0, first)
+
+
+def close_quietly(connection: Any) -> None:
+    """Close, ignoring a connection that is already gone: the broker requeues what was unacked."""
+    if connection is None:
+        return
+    try:
+        if connection.is_open:
+            connection.close()
+    except Exception as exc:  # a dead socket cannot be closed politely
+        log.debug("closing the RabbitMQ connection: %r", exc)
+
+
+def _log_attempt(state: tenacity.RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    wait = state.next_action.sleep if state.next_action else 0.0
+    log.warning(
+        "RabbitMQ connection attempt %d failed (%r); next in %.1fs",
+        state.attempt_number,
+        error,
+        wait,
+    )

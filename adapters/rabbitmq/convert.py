@@ -1,0 +1,102 @@
+"""Deliveries to Messages, and the properties of a dead-letter copy."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pika  # type: ignore[import-untyped]
+
+from consumerdedup import InvalidMessage, Message
+from consumerdedup.errors import describe
+from consumerdedup.runner import CONSUMER_HEADER, REASON_HEADER
+
+from .config import RabbitConfig
+
+SOURCE_HEADER = "x-dead-letter-source"
+"""On a dead letter: the queue it was consumed from."""
+MAX_REASON = 1000
+"""Reasons are cut to this many characters: headers must fit in one AMQP frame."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One pika delivery, kept as ``Message.raw``."""
+
+    method: Any  # pika.spec.Basic.Deliver: delivery_tag, redelivered, exchange, routing_key
+    properties: Any  # pika.BasicProperties
+    body: bytes
+
+    @property
+    def tag(self) -> int:
+        return int(self.method.delivery_tag)
+
+
+def to_message(delivery: Delivery, queue: str, config: RabbitConfig) -> tuple[Message, str | None]:
+    """The Message of a delivery, and why it has no id (None when it has one).
+
+    The id is the ``message_id`` property, else the ``config.id_header`` header,
+    else what ``config.key`` returns; it is never made up.
+    """
+    props = delivery.properties
+    raw_headers = props.headers or {}
+    message = Message(
+        id=None,
+        body=delivery.body,
+        headers={str(k): _text(v) for k, v in raw_headers.items()},
+        source=queue,
+        timestamp=_timestamp(props.timestamp),
+        raw=delivery,
+    )
+    if props.message_id:
+        return replace(message, id=props.message_id), None
+    header = raw_headers.get(config.id_header)
+    if header is not None:
+        # Passed as found: a header that is not text (bytes, a number) fails validation.
+        return replace(message, id=header), None
+    missing = f"no message id: no message_id property and no {config.id_header!r} header"
+    if config.key is None:
+        return message, missing
+    try:
+        found = config.key(message)
+    except Exception as exc:  # a key function that cannot parse this body: refuse the message
+        return message, f"{missing}, and the key function raised {describe(exc)}"
+    if found is None:
+        return message, f"{missing}, and the key function found none"
+    return replace(message, id=found), None
+
+
+def missing_id_reason(why: str) -> str:
+    return describe(InvalidMessage(why))
+
+
+def dead_letter_properties(
+    delivery: Delivery, reason: str, consumer: str, queue: str
+) -> pika.BasicProperties:
+    """The original properties plus the reason headers, persistent, never expiring."""
+    props = copy.copy(delivery.properties)
+    props.headers = {
+        **(delivery.properties.headers or {}),
+        REASON_HEADER: reason[:MAX_REASON],
+        CONSUMER_HEADER: consumer,
+        SOURCE_HEADER: queue,
+    }
+    props.delivery_mode = pika.DeliveryMode.Persistent.value
+    props.expiration = None  # a per-message TTL would expire the dead letter too
+    return props
+
+
+def _timestamp(seconds: Any) -> datetime | None:
+    try:
+        return datetime.fromtimestamp(seconds, UTC) if seconds else None
+    except (OverflowError, OSError, ValueError, TypeError):  # a producer's nonsense: no time
+        return None
+
+
+def _text(value: Any) -> str:
+    # pika gives text as str, and bytes only for what is not valid UTF-8.
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)

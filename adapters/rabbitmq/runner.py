@@ -1,0 +1,238 @@
+"""RabbitConsumerRunner: a queue's deliveries through a dedup handler, acked after the commit."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import pika.exceptions  # type: ignore[import-untyped]
+
+from consumerdedup import AsyncDedupHandler, ConfigurationError, DedupHandler, Message, Outcome
+from consumerdedup.runner import BeforeAck, ConsumerRunner
+
+from .config import DEFAULT_URL, RabbitConfig
+from .connection import close_quietly, connect, parameters
+from .convert import Delivery, dead_letter_properties, missing_id_reason, to_message
+from .errors import TopologyError
+
+log = logging.getLogger("consumerdedup.rabbitmq")
+
+POLL = 0.1
+"""Longest wait on the socket, so stop() from another thread or a signal is seen quickly."""
+_LOST = (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError)
+_RETRY_MEMORY = 10_000
+_names = itertools.count(1)
+
+
+class RabbitConsumerRunner(ConsumerRunner):
+    """Consume ``queue`` with manual acks; each batch runs in one transaction, then is settled.
+
+    PROCESSED and DUPLICATE are acked (a clean batch with one ``multiple`` ack);
+    FAILED is published to the dead-letter queue with its reason, confirmed,
+    then acked; RETRY is nacked with requeue after a backoff. A lost connection
+    or channel is reopened with backoff; what was unacked comes back and the
+    dedup table answers it.
+    """
+
+    def __init__(
+        self,
+        handler: DedupHandler,
+        queue: str,
+        *,
+        url: str = DEFAULT_URL,
+        config: RabbitConfig | None = None,
+        before_ack: BeforeAck | None = None,
+    ) -> None:
+        super().__init__(before_ack=before_ack)
+        if not isinstance(queue, str) or not queue:
+            raise ConfigurationError("queue must be a non-empty str")
+        if isinstance(handler, AsyncDedupHandler):
+            raise ConfigurationError(
+                "RabbitConsumerRunner drives a blocking handler: wrap it with Deduplicator, "
+                "not AsyncDeduplicator"
+            )
+        self.handler = handler
+        self.queue = queue
+        self.config = config = config or RabbitConfig()
+        self.dead_letter_queue = config.dlq(queue)
+        consumer = handler.dedup.consumer
+        self.name = config.connection_name or (
+            f"consumerdedup:{consumer}:{queue}:{os.getpid()}:{next(_names)}"
+        )
+        self._params = parameters(url, config.connection_options, self.name)
+        self.reconnects = 0
+        self._cancelled = False
+        self._retries: dict[str, int] = {}  # consecutive RETRYs per id, for the backoff
+
+    def run(self, *, until_idle: bool = False) -> None:
+        """Consume until stop() (or SIGTERM/SIGINT after ``on_signals()``).
+
+        With ``until_idle``, return once no delivery came for ``idle_timeout``
+        and the queue has nothing ready: for tests, scripts and draining.
+        """
+        while not self.stopping:
+            connection = self._connect()
+            if connection is None:
+                return
+            try:
+                self._consume(connection, until_idle)
+                return
+            except _LOST as exc:
+                self.reconnects += 1
+                log.warning("%s lost its RabbitMQ connection (%r); reconnecting", self.name, exc)
+            finally:
+                close_quietly(connection)  # also after SimulatedCrash: the broker requeues
+            self.pause(self.config.reconnect_delay.total_seconds())
+
+    def declare(self) -> None:
+        """Declare the queue, its dead-letter queue and exchange now (idempotent), whatever
+        ``config.declare`` says: for deploy scripts, and to publish before consuming."""
+        connection = self._connect()
+        if connection is None:  # stop() came first
+            return
+        try:
+            self._declare(connection.channel())
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise TopologyError(f"cannot declare {self.queue!r}: {exc.reply_text}") from exc
+        finally:
+            close_quietly(connection)
+
+    def _connect(self) -> Any:
+        return connect(
+            self._params,
+            delay=self.config.reconnect_delay,
+            max_delay=self.config.max_reconnect_delay,
+            give_up_after=self.config.reconnect_timeout,
+            stopping=lambda: self.stopping,
+            pause=self.pause,
+        )
+
+    def _consume(self, connection: Any, until_idle: bool) -> None:
+        buffer: deque[Delivery] = deque()
+        channel = self._open(connection, buffer)
+        idle = self.config.idle_timeout.total_seconds()
+        idle_since = time.monotonic()
+        while not self.stopping:
+            if len(buffer) < self.config.batch_size:
+                connection.process_data_events(time_limit=0 if buffer else POLL)
+            if self._cancelled:  # reconnect, and learn why on the way (a deleted queue: 404)
+                raise pika.exceptions.ConsumerCancelled(f"the broker cancelled {self.queue!r}")
+            if buffer:
+                size = min(len(buffer), self.config.batch_size)
+                self._handle(connection, channel, [buffer.popleft() for _ in range(size)])
+                idle_since = time.monotonic()
+            elif until_idle and time.monotonic() - idle_since >= idle:
+                if self._ready(channel) == 0:
+                    return
+                idle_since = time.monotonic()
+
+    def _open(self, connection: Any, buffer: deque[Delivery]) -> Any:
+        """Channel, topology, qos, confirms and the consumer; a refusal here is not retried."""
+
+        def deliver(_channel: Any, method: Any, properties: Any, body: bytes) -> None:
+            buffer.append(Delivery(method, properties, body))
+
+        def cancelled(_frame: Any) -> None:
+            self._cancelled = True
+
+        self._cancelled = False
+        channel = connection.channel()
+        try:
+            if self.config.declare:
+                self._declare(channel)
+            channel.basic_qos(prefetch_count=self.config.prefetch)
+            channel.confirm_delivery()  # dead letters are confirmed before the original's ack
+            channel.add_on_cancel_callback(cancelled)
+            channel.basic_consume(self.queue, deliver, auto_ack=False)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise TopologyError(f"cannot consume {self.queue!r}: {exc.reply_text}") from exc
+        log.info("%s consuming %r (prefetch %d)", self.name, self.queue, self.config.prefetch)
+        return channel
+
+    def _declare(self, channel: Any) -> None:
+        exchange, dlq = self.config.dead_letter_exchange, self.dead_letter_queue
+        if exchange:
+            channel.exchange_declare(exchange, exchange_type="direct", durable=True)
+        channel.queue_declare(dlq, durable=True)
+        if exchange:
+            channel.queue_bind(dlq, exchange, routing_key=dlq)
+        arguments = {
+            "x-dead-letter-exchange": exchange,
+            "x-dead-letter-routing-key": dlq,
+            **self.config.queue_arguments,
+        }
+        channel.queue_declare(self.queue, durable=True, arguments=arguments)
+
+    def _ready(self, channel: Any) -> int:
+        return int(channel.queue_declare(self.queue, passive=True).method.message_count)
+
+    def _handle(self, connection: Any, channel: Any, batch: Sequence[Delivery]) -> None:
+        converted = [to_message(delivery, self.queue, self.config) for delivery in batch]
+        results = self.handler.process_batch([message for message, _ in converted])
+        self.committed(results)  # the before_ack hook: a SimulatedCrash leaves all unacked
+        retry: list[tuple[Delivery, Message]] = []
+        for delivery, (message, missing), result in zip(batch, converted, results, strict=True):
+            if result.outcome is Outcome.FAILED:
+                reason = missing_id_reason(missing) if missing else result.reason or "failed"
+                if not self._dead_letter(channel, delivery, reason):
+                    retry.append((delivery, message))
+            elif result.outcome is Outcome.RETRY:
+                retry.append((delivery, message))
+            else:
+                self._retries.pop(str(message.id), None)
+        if not retry:
+            channel.basic_ack(batch[-1].tag, multiple=len(batch) > 1)
+            return
+        held = {delivery.tag for delivery, _ in retry}
+        for delivery in batch:
+            if delivery.tag not in held:
+                channel.basic_ack(delivery.tag)
+        self._wait(connection, self._backoff([message for _, message in retry]))
+        for delivery, _ in retry:
+            channel.basic_nack(delivery.tag, requeue=True)
+
+    def _dead_letter(self, channel: Any, delivery: Delivery, reason: str) -> bool:
+        """Publish a copy with the reason to the dead-letter queue; True once it is confirmed."""
+        consumer = self.handler.dedup.consumer
+        properties = dead_letter_properties(delivery, reason, consumer, self.queue)
+        try:
+            channel.basic_publish(
+                self.config.dead_letter_exchange,
+                self.dead_letter_queue,
+                delivery.body,
+                properties,
+                mandatory=True,
+            )
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            log.error(
+                "cannot dead-letter a message of %r to %r (%r); it stays in the queue for "
+                "redelivery: declare the dead-letter queue (RabbitConfig(declare=True))",
+                self.queue,
+                self.dead_letter_queue,
+                exc,
+            )
+            return False
+        return True
+
+    def _backoff(self, messages: Sequence[Message]) -> float:
+        """retry_delay doubled per consecutive RETRY of the same id, up to max_retry_delay."""
+        delay, longest = self.config.retry_delay, self.config.max_retry_delay
+        wait = 0.0
+        for message in messages:
+            key = str(message.id)
+            count = self._retries[key] = self._retries.pop(key, 0) + 1
+            wait = max(wait, min(delay * 2 ** min(count - 1, 20), longest).total_seconds())
+        while len(self._retries) > _RETRY_MEMORY:
+            del self._retries[next(iter(self._retries))]
+        return wait
+
+    def _wait(self, connection: Any, seconds: float) -> None:
+        """Sleep while answering heartbeats; stop() cuts it short."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and (left := deadline - time.monotonic()) > 0:
+            connection.process_data_events(time_limit=min(left, POLL))
