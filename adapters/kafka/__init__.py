@@ -1,8 +1,28 @@
 """Kafka adapter (aiokafka): KafkaConsumerRunner and KafkaPublisher."""
 
 try:
-    import aiokafka  # noqa: F401
+    import aiokafka  # type: ignore[import-untyped]  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "consumerdedup.adapters.kafka needs aiokafka: pip install 'consumerdedup[kafka]'"
     ) from exc
+
+from .config import DEFAULT_BOOTSTRAP, KafkaConfig, KeyFunction
+from .convert import OFFSET_HEADER, PARTITION_HEADER, SOURCE_HEADER
+from .errors import KafkaAdapterError, PublishFailed
+from .publisher import AsyncPublisher, KafkaPublisher
+from .runner import KafkaConsumerRunner
+
+__all__ = [
+    "DEFAULT_BOOTSTRAP",
+    "OFFSET_HEADER",
+    "PARTITION_HEADER",
+    "SOURCE_HEADER",
+    "AsyncPublisher",
+    "KafkaAdapterError",
+    "KafkaConfig",
+    "KafkaConsumerRunner",
+    "KafkaPublisher",
+    "KeyFunction",
+    "PublishFailed",
+]

@@ -1,0 +1,84 @@
+"""KafkaConfig: how a KafkaConsumerRunner consumes, retries and dead-letters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from consumerdedup import ConfigurationError, Message
+from consumerdedup.runner import DEAD_LETTER_SUFFIX, ID_HEADER
+
+DEFAULT_BOOTSTRAP = "localhost:9092"
+
+KeyFunction = Callable[[Message], str | None]
+"""Finds the dedup id of a record without an id header: called with the Message (``id``
+None, ``raw`` the aiokafka ConsumerRecord); None means it has none."""
+
+# Set by the runner itself: the guarantees depend on them.
+RUNNER_OWNED = {"bootstrap_servers", "group_id", "enable_auto_commit"}
+PUBLISHER_OWNED = {"bootstrap_servers", "acks", "enable_idempotence"}
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """Consumer settings, validated at construction; durations are ``timedelta``."""
+
+    batch_size: int = 100
+    """Records per ``getmany`` at most; each partition's share is one database transaction."""
+    poll_timeout: timedelta = timedelta(milliseconds=500)
+    """Longest wait in ``getmany``: bounds how late ``stop()`` is noticed when idle."""
+    retry_backoff: timedelta = timedelta(seconds=1)
+    """After a RETRY: the partition is paused this long, then re-read from that record."""
+    id_header: str = ID_HEADER
+    """Header carrying the dedup id (UTF-8)."""
+    key: KeyFunction | None = None
+    """Used when the id header is absent."""
+    coordinates_as_id: bool = True
+    """Last resort: ``topic:partition:offset``, stable across redeliveries of one record.
+    False: a record with no id header and no key is dead-lettered instead."""
+    dead_letter_topic: str = "{topic}" + DEAD_LETTER_SUFFIX
+    """Where FAILED records go; ``{topic}`` is replaced by the record's topic."""
+    idempotent_producer: bool = True
+    """Idempotence for the dead-letter producer; off for brokers without InitProducerId."""
+    consumer_options: Mapping[str, Any] = field(default_factory=dict)
+    """Passed to ``AIOKafkaConsumer`` (``{"session_timeout_ms": 10000}``, security...).
+    ``auto_offset_reset`` defaults to ``"earliest"``: a new group misses nothing."""
+    producer_options: Mapping[str, Any] = field(default_factory=dict)
+    """Passed to the dead-letter ``AIOKafkaProducer``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigurationError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
+        if self.poll_timeout <= timedelta(0):
+            raise ConfigurationError("poll_timeout must be positive")
+        if self.retry_backoff < timedelta(0):
+            raise ConfigurationError("retry_backoff must not be negative")
+        if not isinstance(self.id_header, str) or not self.id_header:
+            raise ConfigurationError("id_header must be a non-empty str")
+        if self.key is not None and not callable(self.key):
+            raise ConfigurationError("key must be a callable taking a Message")
+        try:
+            probe = self.dead_letter_topic.format(topic="t")
+        except (AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise ConfigurationError(
+                f"dead_letter_topic must be a str using only {{topic}}, got "
+                f"{self.dead_letter_topic!r}"
+            ) from exc
+        if not probe or probe == "t":
+            raise ConfigurationError("dead_letter_topic must name a topic other than the source")
+        reject_owned("consumer_options", self.consumer_options, RUNNER_OWNED)
+        reject_owned("producer_options", self.producer_options, PUBLISHER_OWNED)
+
+    def dead_letters_of(self, topic: str) -> str:
+        return self.dead_letter_topic.format(topic=topic)
+
+
+def reject_owned(name: str, options: Mapping[str, Any], owned: set[str]) -> None:
+    clash = sorted(owned.intersection(options))
+    if clash:
+        raise ConfigurationError(
+            f"{name} must not set {', '.join(clash)}: the runner or publisher sets it "
+            "(bootstrap_servers and group_id are arguments; auto-commit stays off, acks=all)"
+        )

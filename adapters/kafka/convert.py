@@ -1,0 +1,96 @@
+"""Records to Messages, and the headers of a dead-letter copy."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+from consumerdedup import Message
+from consumerdedup.errors import describe
+from consumerdedup.runner import CONSUMER_HEADER, REASON_HEADER
+
+from .config import KafkaConfig
+
+SOURCE_HEADER = "x-dead-letter-source"
+"""On a dead letter: the topic it was consumed from."""
+PARTITION_HEADER = "x-dead-letter-partition"
+OFFSET_HEADER = "x-dead-letter-offset"
+"""On a dead letter: where it was in the source topic (decimal text)."""
+MAX_REASON = 1000
+"""Reasons are cut to this many characters."""
+
+_OURS = frozenset({REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER, PARTITION_HEADER, OFFSET_HEADER})
+
+
+def coordinates(record: Any) -> str:
+    return f"{record.topic}:{record.partition}:{record.offset}"
+
+
+def to_message(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
+    """The Message of an aiokafka ConsumerRecord, and why it must be refused (None: it need not).
+
+    The id is the ``config.id_header`` header, else what ``config.key`` returns,
+    else (``coordinates_as_id``) ``topic:partition:offset``. A header that is
+    present but unusable is refused, never replaced by a fallback.
+    """
+    headers: dict[str, str] = {}
+    raw_id: bytes | None = None
+    has_id = False
+    for name, value in record.headers:
+        # Non-UTF-8 header values stay readable, and intact in ``raw.headers``.
+        headers[name] = (value or b"").decode("utf-8", errors="backslashreplace")
+        if name == config.id_header:  # the last one wins, as in the Java client's lastHeader()
+            raw_id, has_id = value or b"", True
+    message = Message(
+        id=None,
+        body=record.value if record.value is not None else b"",
+        headers=headers,
+        source=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        timestamp=datetime.fromtimestamp(record.timestamp / 1000, UTC)
+        if record.timestamp is not None and record.timestamp >= 0
+        else None,
+        raw=record,
+    )
+    message, refusal = _with_id(message, record, config, raw_id if has_id else None)
+    if refusal is None and record.value is None:
+        refusal = "the record has a null value (a tombstone): there is nothing to process"
+    return message, refusal
+
+
+def _with_id(
+    message: Message, record: Any, config: KafkaConfig, raw_id: bytes | None
+) -> tuple[Message, str | None]:
+    if raw_id is not None:
+        try:
+            # Passed on as found: an empty or too long id fails the core's validation.
+            return replace(message, id=raw_id.decode("utf-8")), None
+        except UnicodeDecodeError:
+            return message, f"the {config.id_header!r} header is not valid UTF-8: {raw_id[:64]!r}"
+    missing = f"no message id: no {config.id_header!r} header"
+    if config.key is not None:
+        try:
+            found = config.key(message)
+        except Exception as exc:  # a key function that cannot read this record: refuse it
+            return message, f"{missing}, and the key function raised {describe(exc)}"
+        if found is not None:
+            return replace(message, id=found), None
+        missing += ", and the key function found none"
+    if config.coordinates_as_id:
+        return replace(message, id=coordinates(record)), None
+    return message, missing
+
+
+def dead_letter_headers(record: Any, reason: str, consumer: str) -> list[tuple[str, bytes]]:
+    """The original headers (any earlier dead-letter ones replaced) plus why and from where."""
+    kept = [(name, value) for name, value in record.headers if name not in _OURS]
+    return [
+        *kept,
+        (REASON_HEADER, reason[:MAX_REASON].encode()),
+        (CONSUMER_HEADER, consumer.encode()),
+        (SOURCE_HEADER, record.topic.encode()),
+        (PARTITION_HEADER, str(record.partition).encode()),
+        (OFFSET_HEADER, str(record.offset).encode()),
+    ]

@@ -1,0 +1,297 @@
+"""KafkaConsumerRunner: records -> Messages -> handler.process_batch -> dead letters -> offsets."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import (  # type: ignore[import-untyped]
+    AIOKafkaConsumer,
+    ConsumerRebalanceListener,
+    TopicPartition,
+)
+from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+
+from consumerdedup import (
+    AsyncDedupHandler,
+    ConfigurationError,
+    DedupHandler,
+    InvalidMessage,
+    Message,
+    Outcome,
+    Result,
+)
+from consumerdedup.errors import describe
+from consumerdedup.runner import BeforeAck, ConsumerRunner
+
+from .config import DEFAULT_BOOTSTRAP, KafkaConfig
+from .convert import coordinates, dead_letter_headers, to_message
+from .errors import PublishFailed
+from .publisher import KafkaPublisher
+
+logger = logging.getLogger("consumerdedup.kafka")
+
+
+class KafkaConsumerRunner(ConsumerRunner):
+    """Consume ``topics`` as group ``group_id`` (default: the dedup consumer name).
+
+    - Each partition is handled in offset order, in chunks of at most
+      ``batch_size`` records; a chunk is one ``process_batch`` call, so one
+      database transaction.
+    - After that commit: FAILED records are sent to the dead-letter topic and
+      acknowledged by the broker; then the partition's offset is committed up
+      to the first RETRY record (or the first dead letter that could not be
+      sent), never past it; the partition pauses for ``retry_backoff`` and is
+      re-read from that record. Records behind it come again as DUPLICATE.
+    - A rebalance waits for the batch in flight to finish and commit; records
+      fetched before it and not yet handled are dropped, the new owner reads
+      them from the committed offset.
+    - Auto-commit is off, so a crash, a cancel or a SimulatedCrash commits
+      nothing more: what was not committed is delivered again, and the
+      dedup table answers DUPLICATE for what the database already has.
+    """
+
+    def __init__(
+        self,
+        handler: AsyncDedupHandler | DedupHandler,
+        topics: str | Sequence[str],
+        *,
+        bootstrap_servers: str | Sequence[str] = DEFAULT_BOOTSTRAP,
+        group_id: str | None = None,
+        config: KafkaConfig | None = None,
+        before_ack: BeforeAck | None = None,
+    ) -> None:
+        super().__init__(before_ack=before_ack)
+        if not isinstance(handler, AsyncDedupHandler | DedupHandler):
+            raise ConfigurationError("handler must be what @dedup.handler returned")
+        self.topics = (topics,) if isinstance(topics, str) else tuple(topics)
+        if not self.topics or not all(isinstance(t, str) and t for t in self.topics):
+            raise ConfigurationError("topics must be a topic name or a non-empty list of them")
+        self.config = config if config is not None else KafkaConfig()
+        if any(self.config.dead_letters_of(t) in self.topics for t in self.topics):
+            raise ConfigurationError("a dead-letter topic must not be one of the consumed topics")
+        self.handler = handler
+        self.bootstrap_servers = bootstrap_servers
+        self.group_id = group_id or handler.dedup.consumer
+        self.consumer: Any = None
+        """The AIOKafkaConsumer while ``run()`` runs."""
+        self._epoch = 0  # bumped by each revocation: fetched records from before are stale
+        self._lock = asyncio.Lock()  # held by the batch in flight; a revocation waits on it
+        self._paused: dict[Any, float] = {}  # partition -> loop time to resume it
+
+    async def run(self, *, until_idle: bool = False) -> None:
+        """Consume until ``stop()`` (or a signal after ``on_signals()``), then close.
+
+        ``until_idle``: also return once the group's committed offsets reach
+        the end of every partition of the topics (lag 0) and no partition
+        waits to retry; for tests, back-fills and benchmarks.
+        """
+        if self.consumer is not None:
+            raise RuntimeError("this runner is already running")
+        cfg = self.config
+        options = {"auto_offset_reset": "earliest", **cfg.consumer_options}
+        consumer = AIOKafkaConsumer(
+            **options,
+            bootstrap_servers=self.bootstrap_servers,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+        )
+        consumer.subscribe(list(self.topics), listener=_Listener(self))
+        dead_letters = KafkaPublisher(
+            self.bootstrap_servers,
+            enable_idempotence=cfg.idempotent_producer,
+            options=cfg.producer_options,
+        )
+        self._paused.clear()
+        self._lock = asyncio.Lock()  # bound to this run's event loop
+        self.consumer = consumer
+        try:
+            await consumer.start()
+            await self._consume(consumer, dead_letters, until_idle)
+        finally:
+            self.consumer = None
+            # Auto-commit is off: closing commits nothing, whatever ended the loop.
+            await consumer.stop()
+            await dead_letters.stop()
+
+    async def _consume(self, consumer: Any, dead_letters: KafkaPublisher, until_idle: bool) -> None:
+        size = self.config.batch_size
+        while not self.stopping:
+            self._resume_due(consumer)
+            # Up to batch_size records per assigned partition; each partition's share is then
+            # handled in chunks of batch_size.
+            fetched = await consumer.getmany(
+                timeout_ms=self._wait_ms(), max_records=size * max(1, len(consumer.assignment()))
+            )
+            if not fetched:
+                if until_idle and not self._paused and await self._drained(consumer):
+                    return
+                continue
+            await self._handle_fetch(consumer, dead_letters, fetched)
+
+    async def _handle_fetch(
+        self, consumer: Any, dead_letters: KafkaPublisher, fetched: dict[Any, list[Any]]
+    ) -> None:
+        epoch, size = self._epoch, self.config.batch_size
+        for tp, records in fetched.items():
+            for start in range(0, len(records), size):
+                async with self._lock:
+                    if self.stopping or epoch != self._epoch:
+                        return  # stop asked, or a rebalance made the rest of this fetch stale
+                    chunk = records[start : start + size]
+                    if not await self._handle(consumer, dead_letters, tp, chunk):
+                        break  # the partition was sent back to a record: the rest comes again
+
+    async def _handle(
+        self, consumer: Any, dead_letters: KafkaPublisher, tp: Any, records: Sequence[Any]
+    ) -> bool:
+        """One transaction, its dead letters, its offset commit; False if it sought back."""
+        results = await self._process(records)
+        self.committed(results)  # the before_ack hook: a SimulatedCrash leaves from here
+        done = next((i for i, r in enumerate(results) if r.outcome is Outcome.RETRY), len(results))
+        done = await self._dead_letter(dead_letters, records[:done], results[:done])
+        if done and not await self._commit(consumer, tp, records[done - 1].offset + 1):
+            self._seek(consumer, tp, records[0].offset)  # read again: answered DUPLICATE
+            return False
+        if done < len(records):
+            self._retry_later(consumer, tp, records[done], results[done])
+            return False
+        return True
+
+    async def _process(self, records: Sequence[Any]) -> list[Result]:
+        slots: list[Message | Result] = []
+        for record in records:
+            message, refusal = to_message(record, self.config)
+            slots.append(message if refusal is None else await self._refuse(message, refusal))
+        messages = [slot for slot in slots if isinstance(slot, Message)]
+        if not messages:
+            return [slot for slot in slots if isinstance(slot, Result)]
+        if isinstance(self.handler, AsyncDedupHandler):
+            processed = iter(await self.handler.process_batch(messages))
+        else:
+            processed = iter(await asyncio.to_thread(self.handler.process_batch, messages))
+        return [slot if isinstance(slot, Result) else next(processed) for slot in slots]
+
+    async def _refuse(self, message: Message, reason: str) -> Result:
+        """FAILED without reaching the pipeline; its hooks are told as they would be."""
+        dedup = self.handler.dedup
+        result = Result(message, Outcome.FAILED, InvalidMessage(reason))
+        if dedup.dead_letter is not None:
+            try:
+                told = dedup.dead_letter(result)
+                if inspect.isawaitable(told):
+                    await told
+            except Exception as exc:
+                result = dedup.dead_letter_failed(result, exc)
+        dedup.account(result)
+        return result
+
+    async def _dead_letter(
+        self, dead_letters: KafkaPublisher, records: Sequence[Any], results: Sequence[Result]
+    ) -> int:
+        """Send the FAILED ones, in order; how many records lead up to the first unsent one."""
+        consumer_name = self.handler.dedup.consumer
+        for index, (record, result) in enumerate(zip(records, results, strict=True)):
+            if result.outcome is not Outcome.FAILED:
+                continue
+            topic = self.config.dead_letters_of(record.topic)
+            headers = dead_letter_headers(record, result.reason or "failed", consumer_name)
+            try:
+                # A null value goes as empty: aiokafka refuses a record with neither key nor value.
+                value = record.value if record.value is not None else b""
+                await dead_letters.send(topic, value, key=record.key, headers=headers)
+            except PublishFailed as exc:
+                logger.error(
+                    "cannot dead-letter %s to %s, it will be read again: %s",
+                    coordinates(record),
+                    topic,
+                    describe(exc),
+                )
+                return index
+        return len(records)
+
+    async def _commit(self, consumer: Any, tp: Any, offset: int) -> bool:
+        try:
+            await consumer.commit({tp: offset})
+            return True
+        except KafkaError as exc:
+            # Typically a rebalance that gave the partition away: its new owner
+            # reads from the last commit and the dedup table answers the rest.
+            logger.warning("offset commit of %s at %d failed: %s", tp, offset, describe(exc))
+            return False
+
+    @staticmethod
+    def _seek(consumer: Any, tp: Any, offset: int) -> None:
+        if tp in consumer.assignment():
+            consumer.seek(tp, offset)
+
+    def _retry_later(self, consumer: Any, tp: Any, record: Any, result: Result) -> None:
+        delay = self.config.retry_backoff.total_seconds()
+        logger.warning(
+            "%s will be read again in %.3fs: %s",
+            coordinates(record),
+            delay,
+            result.reason or "dead letter not sent",
+        )
+        self._seek(consumer, tp, record.offset)
+        if delay > 0 and tp in consumer.assignment():
+            consumer.pause(tp)
+            self._paused[tp] = asyncio.get_running_loop().time() + delay
+
+    def _resume_due(self, consumer: Any) -> None:
+        now = asyncio.get_running_loop().time()
+        due = [tp for tp, at in self._paused.items() if at <= now]
+        for tp in due:
+            del self._paused[tp]
+        assigned = consumer.assignment()
+        consumer.resume(*(tp for tp in due if tp in assigned))
+
+    def _wait_ms(self) -> int:
+        wait = self.config.poll_timeout.total_seconds()
+        if self._paused:
+            soonest = min(self._paused.values()) - asyncio.get_running_loop().time()
+            wait = max(0.0, min(wait, soonest))
+        return int(wait * 1000)
+
+    async def _drained(self, consumer: Any) -> bool:
+        partitions = [tp for topic in self.topics for tp in _partitions(consumer, topic)]
+        if not partitions:
+            return False
+        ends = await consumer.end_offsets(partitions)
+        assigned = consumer.assignment()
+        for tp in partitions:
+            end = ends[tp]
+            if tp in assigned:
+                # The high watermark of the last fetch: some brokers (Tansu 0.6) answer
+                # ListOffsets with the start of the last record batch plus one.
+                seen = consumer.highwater(tp)
+                if seen is None:
+                    return False  # not fetched yet since the assignment
+                end = max(end, seen)
+            if ((await consumer.committed(tp)) or 0) < end:
+                return False
+        return True
+
+    async def _revoked(self, revoked: Any) -> None:
+        async with self._lock:  # the batch in flight finishes and commits first
+            self._epoch += 1
+            for tp in revoked:
+                self._paused.pop(tp, None)
+
+
+def _partitions(consumer: Any, topic: str) -> list[Any]:
+    return [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, runner: KafkaConsumerRunner) -> None:
+        self.runner = runner
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        await self.runner._revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        pass

@@ -1,0 +1,85 @@
+"""examples/kafka_consumer.py runs as shipped against the broker and PostgreSQL, and stops on
+SIGTERM after committing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+from tests.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kafka_consumer.py"
+
+
+def example(
+    kafka: KafkaService, topic: str, postgres_url: str, **env: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(EXAMPLE), topic],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=EXAMPLE.parent.parent,
+        env={
+            **os.environ,
+            "KAFKA_BOOTSTRAP": kafka.bootstrap,
+            "KAFKA_GROUP": "example-" + topic,
+            "KAFKA_IDEMPOTENCE": str(int(kafka.idempotence)),
+            "CONSUMERDEDUP_DB_URL": postgres_url,
+            **env,
+        },
+    )
+
+
+def applied(postgres_url: str, prefix: str) -> int:
+    engine = create_engine(postgres_url)
+    try:
+        with engine.connect() as conn:
+            sql = "SELECT count(*) FROM example_kafka.payments WHERE event_id LIKE :p"
+            return int(conn.execute(text(sql), {"p": prefix + "%"}).scalar_one())
+    finally:
+        engine.dispose()
+
+
+async def test_the_kafka_example_consumes_into_postgresql(
+    kafka: KafkaService, topics: Topics, postgres_url: str
+) -> None:
+    topic = await topics.create("example", partitions=2)
+    prefix = f"pay-{uuid.uuid4().hex[:8]}-"
+    payments = [(f"{prefix}{i:03d}", {"account": "alice", "amount": i}) for i in range(100)]
+    stream = [(eid, json.dumps(p).encode()) for eid, p in payments + payments[:20]]
+    await topics.produce_many(topic, [*stream, (prefix + "bad", b"{not json")], partitions=2)
+
+    process = example(kafka, topic, postgres_url, UNTIL_IDLE="1")
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "applied 100, duplicates 20, dead-lettered 1" in out, out + err
+    assert applied(postgres_url, prefix) == 100
+
+
+async def test_the_kafka_example_stops_on_sigterm_after_committing(
+    kafka: KafkaService, topics: Topics, postgres_url: str
+) -> None:
+    topic = await topics.create("sigterm")
+    prefix = f"pay-{uuid.uuid4().hex[:8]}-"
+    body = json.dumps({"account": "bob", "amount": 1}).encode()
+    await topics.produce_many(topic, [(f"{prefix}{i:03d}", body) for i in range(50)])
+
+    process = example(kafka, topic, postgres_url)
+    deadline = time.monotonic() + 60
+    while applied(postgres_url, prefix) < 50:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert "applied 50, duplicates 0, dead-lettered 0" in out, out + err
+    assert await topics.lag("example-" + topic, topic) == 0
