@@ -21,6 +21,7 @@ from .message import MAX_ID_LENGTH, Message
 from .observe import OutcomeCounts
 from .outbox import Outbox
 from .outcome import Outcome, Result
+from .pruner import Pruner, PruneReport
 from .publisher import Publisher
 from .relay import OutboxRelay, RelayConfig
 from .retry import RetryPolicy
@@ -45,6 +46,8 @@ __all__ = [
     "OutcomeCounts",
     "PayloadMismatch",
     "PermanentError",
+    "PruneReport",
+    "Pruner",
     "Publisher",
     "RecordedFailure",
     "RelayConfig",

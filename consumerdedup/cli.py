@@ -266,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats = command("stats", cmd_stats, "counts per consumer and of the outbox")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     command("demo", cmd_demo, "run the embedded demo (SQLite and an in-memory broker)")
+    # prune lives in prune_cli.py, imported here because it imports this module.
+    from .prune_cli import add_arguments, cmd_prune
+
+    text = "delete dedup records older than retention + buffer, once or --every"
+    add_arguments(command("prune", cmd_prune, text))
     return parser
 
 

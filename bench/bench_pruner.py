@@ -1,0 +1,366 @@
+"""Pruning speed: batch deletes (what Pruner does) against dropping daily partitions.
+
+Run it: ``.venv/bin/python bench/bench_pruner.py`` (``--quick`` for a smoke run). It needs
+a PostgreSQL server (``CONSUMERDEDUP_BENCH_PG_URL``, default the local ``test`` database);
+everything lives in a fresh schema, dropped at the end.
+
+1. PostgreSQL batch deletes: ``--rows`` expired rows spread over 10 whole days, pruned by
+   ``Pruner`` at each ``--batch-sizes``; rows pruned per second.
+2. A consumer (Deduplicator, 10 messages a transaction, one business insert each) alone,
+   then while the pruner deletes ``--rows`` rows, without and with a 20 ms pause between
+   batches: the consumer's throughput and batch latency, and the pruner's rate.
+3. Partition drops: the same rows in a copy of processed_events range-partitioned by day,
+   pruned by DETACH PARTITION CONCURRENTLY + DROP TABLE, and by plain DROP TABLE.
+   Also shown: why consumerdedup does not ship that layout (the dedup insert fails on it).
+4. SQLite batch deletes, for scale (``--sqlite-rows``, a file in a temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import sqlalchemy
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.exc import DBAPIError
+
+from consumerdedup import Deduplicator, Message, Pruner, Tables, durations, install
+
+DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+DAYS = 10
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def conditions(engine: Engine, args: argparse.Namespace) -> None:
+    with engine.connect() as conn:
+        server = conn.execute(text("SHOW server_version")).scalar()
+        settings = {
+            name: conn.execute(text(f"SHOW {name}")).scalar()
+            for name in ("shared_buffers", "synchronous_commit", "max_wal_size")
+        }
+    import sqlite3
+
+    print("conditions")
+    print(f"  cpu: {cpu_model()} x {os.cpu_count()}; load {os.getloadavg()[0]:.2f}")
+    print(
+        f"  python {platform.python_version()}, sqlalchemy {sqlalchemy.__version__}, "
+        f"psycopg {psycopg.__version__}, sqlite {sqlite3.sqlite_version}"
+    )
+    print(f"  postgresql {server}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
+    print(
+        f"  rows: {args.rows:,} expired (over {DAYS} days, ~{row_bytes(engine):.0f} B each "
+        f"as stored), batch sizes {args.batch_sizes}, sqlite rows {args.sqlite_rows:,}"
+    )
+    print()
+
+
+def row_bytes(engine: Engine) -> float:
+    with engine.connect() as conn:
+        return float(
+            conn.execute(
+                text(
+                    "SELECT avg(pg_column_size(r)) FROM (SELECT 'ledger'::varchar AS consumer, "
+                    "'old-123456' AS message_id, now() AS processed_at, "
+                    "repeat('a', 64) AS payload_hash, "
+                    "'processed' AS outcome, NULL::text AS error) r"
+                )
+            ).scalar()
+            or 0
+        )
+
+
+def fixed(moment: datetime) -> Callable[[], datetime]:
+    """The pruner's clock, pinned to when the rows were written."""
+    return lambda: moment
+
+
+def day_zero(t0: datetime) -> datetime:
+    """Midnight before the cutoff (t0 - 8 days): every expired row lies in whole days before it."""
+    cutoff = t0 - timedelta(days=8)
+    return cutoff.replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+def fill(engine: Engine, table: str, rows: int, t0: datetime, prefix: str = "old") -> float:
+    """``rows`` rows over DAYS whole days before day_zero; returns the seconds it took."""
+    started = time.perf_counter()
+    per_day_ms = 86_400_000 // (rows // DAYS + 1)  # offsets stay inside their day
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"INSERT INTO {table} (consumer, message_id, processed_at, payload_hash, outcome) "
+                f"SELECT 'ledger', '{prefix}-' || i, "
+                f"CAST(:d0 AS timestamptz) - (1 + i % {DAYS}) * interval '1 day' "
+                f"+ (i / {DAYS}) * {per_day_ms} * interval '1 ms', repeat('a', 64), 'processed' "
+                "FROM generate_series(1, :n) AS i"
+            ),
+            {"d0": day_zero(t0), "n": rows},
+        )
+        conn.execute(text(f"ANALYZE {table}"))
+    return time.perf_counter() - started
+
+
+# --------------------------------------------------------------------------- 1. batch deletes
+
+
+def bench_batches(engine: Engine, tables: Tables, args: argparse.Namespace) -> float:
+    table = tables.processed_events.fullname
+    print("1. PostgreSQL batch deletes (Pruner)")
+    best = 0.0
+    for size in args.batch_sizes:
+        t0 = datetime.now(UTC)
+        inserted = fill(engine, table, args.rows, t0)
+        pruner = Pruner(engine, timedelta(days=7), tables=tables, batch_size=size, clock=fixed(t0))
+        started = time.perf_counter()
+        deleted = pruner.prune()
+        seconds = time.perf_counter() - started
+        assert deleted == args.rows, deleted
+        best = max(best, deleted / seconds)
+        print(
+            f"  batch {size:>6,}: {deleted:,} rows in {seconds:6.2f}s = "
+            f"{deleted / seconds:>9,.0f} rows/s  (insert took {inserted:.1f}s)"
+        )
+        vacuum(engine, table)
+    print()
+    return best
+
+
+def vacuum(engine: Engine, table: str) -> None:
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"VACUUM {table}"))
+
+
+# --------------------------------------------------------------------------- 2. a live consumer
+
+
+class Consumer:
+    def __init__(self, engine: Engine, tables: Tables, ledger: str) -> None:
+        dedup = Deduplicator(engine, consumer="ledger", tables=tables)
+
+        @dedup.handler
+        def credit(message: Message, session: Any) -> None:
+            session.execute(text(f"INSERT INTO {ledger} VALUES (:id, 1)"), {"id": message.id})
+
+        self.handler = credit
+        self.batches: list[tuple[float, float]] = []  # (end, seconds)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.count = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            messages = [Message(id=f"live-{uuid.uuid4().hex}", body=b"{}") for _ in range(10)]
+            started = time.perf_counter()
+            self.handler.process_batch(messages)
+            ended = time.perf_counter()
+            self.batches.append((ended, ended - started))
+
+    def window(self, start: float, end: float) -> tuple[float, float, float]:
+        """messages/s, median and max batch latency (ms) between start and end."""
+        inside = [seconds for at, seconds in self.batches if start <= at <= end]
+        if not inside:
+            return 0.0, 0.0, 0.0
+        rate = len(inside) * 10 / (end - start)
+        return rate, statistics.median(inside) * 1000, max(inside) * 1000
+
+
+def bench_consumer(engine: Engine, tables: Tables, args: argparse.Namespace) -> None:
+    table = tables.processed_events.fullname
+    ledger = f"{tables.processed_events.schema}.ledger"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {ledger} (message_id TEXT, amount INTEGER)"))
+    print(f"2. a consumer (10 messages a transaction) while {args.rows:,} rows are pruned")
+    consumer = Consumer(engine, tables, ledger)
+    consumer.thread.start()
+    time.sleep(1.0)  # warm-up
+    start = time.perf_counter()
+    time.sleep(args.baseline)
+    alone = consumer.window(start, time.perf_counter())
+    print(
+        f"  consumer alone:          {alone[0]:7,.0f} msg/s, batch latency median "
+        f"{alone[1]:5.1f} ms, max {alone[2]:6.1f} ms"
+    )
+    for pause in (timedelta(0), timedelta(milliseconds=20)):
+        t0 = datetime.now(UTC)
+        fill(engine, table, args.rows, t0)
+        pruner = Pruner(
+            engine, timedelta(days=7), tables=tables, clock=fixed(t0), batch_pause=pause
+        )
+        start = time.perf_counter()
+        deleted = pruner.prune()
+        end = time.perf_counter()
+        rate, median, worst = consumer.window(start, end)
+        label = f"batch_pause={durations.render(pause)}"
+        print(
+            f"  pruning, {label:<15}: {rate:7,.0f} msg/s, batch latency median {median:5.1f} ms, "
+            f"max {worst:6.1f} ms ({rate / alone[0]:.0%} of alone); pruner "
+            f"{deleted / (end - start):,.0f} rows/s"
+        )
+        vacuum(engine, table)
+    consumer.stop.set()
+    consumer.thread.join()
+    print()
+
+
+# --------------------------------------------------------------------------- 3. partitions
+
+
+def bench_partitions(engine: Engine, schema: str, args: argparse.Namespace) -> float:
+    print("3. the same rows in a copy partitioned by day on processed_at")
+    parent = f"{schema}.pe_by_day"
+    t0 = datetime.now(UTC)
+    d0 = day_zero(t0)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"CREATE TABLE {parent} (consumer VARCHAR(255), message_id VARCHAR(255), "
+                "processed_at TIMESTAMPTZ NOT NULL, payload_hash VARCHAR(64) NOT NULL, "
+                "outcome VARCHAR(16) NOT NULL, error TEXT, "
+                "PRIMARY KEY (consumer, message_id, processed_at)) "
+                "PARTITION BY RANGE (processed_at)"
+            )
+        )
+        for k in range(-DAYS, 10):  # the expired days, and the live ones up to t0
+            low, high = d0 + timedelta(days=k), d0 + timedelta(days=k + 1)
+            conn.execute(
+                text(
+                    f"CREATE TABLE {schema}.pe_{k + DAYS:02d} PARTITION OF {parent} "
+                    f"FOR VALUES FROM ('{low.isoformat()}') TO ('{high.isoformat()}')"
+                )
+            )
+    for how in ("detach concurrently + drop", "drop"):
+        fill(engine, parent, args.rows, t0)
+        started = time.perf_counter()
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for k in range(DAYS):
+                part = f"{schema}.pe_{k:02d}"
+                if how.startswith("detach"):
+                    conn.execute(text(f"ALTER TABLE {parent} DETACH PARTITION {part} CONCURRENTLY"))
+                conn.execute(text(f"DROP TABLE {part}"))
+                if how.startswith("detach"):  # put the empty day back for the next run
+                    low, high = d0 + timedelta(days=k - DAYS), d0 + timedelta(days=k - DAYS + 1)
+                    conn.execute(
+                        text(
+                            f"CREATE TABLE {part} PARTITION OF {parent} "
+                            f"FOR VALUES FROM ('{low.isoformat()}') TO ('{high.isoformat()}')"
+                        )
+                    )
+        seconds = time.perf_counter() - started
+        rate = float(args.rows) / seconds
+        print(
+            f"  {how:<27}: {args.rows:,} rows in {seconds:6.2f}s = {rate:>12,.0f} rows/s "
+            f"({DAYS} partitions)"
+        )
+    print("  what it costs the dedup table:")
+    with engine.connect() as conn:
+        for label, sql in (
+            (
+                "unique (consumer, message_id)",
+                f"CREATE UNIQUE INDEX ON {parent} (consumer, message_id)",
+            ),
+            (
+                "the pipeline's insert",
+                f"INSERT INTO {parent} VALUES ('c', 'm', now(), 'h', 'processed') "
+                "ON CONFLICT (consumer, message_id) DO NOTHING",
+            ),
+        ):
+            try:
+                with conn.begin():
+                    conn.execute(text(sql))
+                print(f"    {label}: accepted")
+            except DBAPIError as error:
+                print(f"    {label}: {str(error.orig).splitlines()[0]}")
+    print()
+    return rate
+
+
+# --------------------------------------------------------------------------- 4. SQLite
+
+
+def bench_sqlite(args: argparse.Namespace) -> None:
+    folder = tempfile.mkdtemp(prefix="consumerdedup-bench-")
+    engine = create_engine(f"sqlite:///{folder}/bench.db")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    tables = Tables.define()
+    install(engine, tables)
+    t0 = datetime.now(UTC)
+    d0 = day_zero(t0)
+    rows = [
+        {
+            "consumer": "ledger",
+            "message_id": f"old-{i}",
+            "processed_at": d0 - timedelta(days=1 + i % DAYS, milliseconds=i),
+            "payload_hash": "a" * 64,
+            "outcome": "processed",
+        }
+        for i in range(args.sqlite_rows)
+    ]
+    with engine.begin() as conn:
+        conn.execute(tables.processed_events.insert(), rows)
+    pruner = Pruner(engine, timedelta(days=7), tables=tables, clock=fixed(t0))
+    started = time.perf_counter()
+    deleted = pruner.prune()
+    seconds = time.perf_counter() - started
+    print("4. SQLite batch deletes (WAL, a file on local disk)")
+    print(
+        f"  batch  5,000: {deleted:,} rows in {seconds:6.2f}s = {deleted / seconds:>9,.0f} rows/s"
+    )
+    engine.dispose()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch-sizes", default="1000,5000,20000")
+    parser.add_argument("--sqlite-rows", type=int, default=200_000)
+    parser.add_argument("--baseline", type=float, default=5.0, help="seconds of consumer alone")
+    parser.add_argument("--quick", action="store_true", help="100k rows, one batch size")
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.batch_sizes, args.sqlite_rows, args.baseline = 100_000, "5000", 20_000, 2.0
+    args.batch_sizes = [int(s) for s in args.batch_sizes.split(",")]
+    url = os.environ.get("CONSUMERDEDUP_BENCH_PG_URL", DEFAULT_URL)
+    engine = create_engine(url, pool_size=4)
+    schema = f"bench_prune_{uuid.uuid4().hex[:8]}"
+    tables = Tables.define(f"{schema}.processed_events", f"{schema}.outbox")
+    install(engine, tables)
+    try:
+        conditions(engine, args)
+        batch_rate = bench_batches(engine, tables, args)
+        bench_consumer(engine, tables, args)
+        drop_rate = bench_partitions(engine, schema, args)
+        bench_sqlite(args)
+        print(
+            f"\npartition drops prune {drop_rate / batch_rate:,.0f}x faster than the best "
+            "batch delete, at the cost shown in 3."
+        )
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

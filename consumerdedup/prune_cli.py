@@ -1,0 +1,254 @@
+"""``consumerdedup prune``: delete expired dedup records once, or every so often until SIGTERM.
+
+The window comes from ``--retention``, or from the broker (``--kafka`` with
+``--topics``: retention.ms; ``--rabbitmq`` with ``--queues``: the message
+TTL); a broker that does not say is a usage error asking for --retention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from . import durations
+from .cli import _SECRETS, CommandError, UsageError, _missing, _names, _setup, shown
+from .errors import ConfigurationError, describe
+from .pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
+from .windows import BrokerRetention, RetentionUnknown, UnknownConsumer
+
+PROGRESS_EVERY = "5s"
+"""Default time between progress lines of a long round."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # argparse takes "-1d" for an option and says only "expected one argument"; as a value
+    # it reaches durations.parse, which says it is negative.
+    if hasattr(parser, "_negative_number_matcher"):
+        parser._negative_number_matcher = re.compile(r"^-\d[\dwdhms.]*$")
+    source = parser.add_argument_group("retention (one of)").add_mutually_exclusive_group(
+        required=True
+    )
+    source.add_argument("--retention", metavar="DURATION", help="e.g. 7d, 36h, 90m")
+    source.add_argument("--kafka", metavar="BOOTSTRAP", help="read retention.ms of --topics")
+    source.add_argument("--rabbitmq", metavar="URL", help="read the message TTL of --queues")
+    parser.add_argument("--topics", metavar="A,B", help="with --kafka: the consumed topics")
+    parser.add_argument("--queues", metavar="A,B", help="with --rabbitmq: the consumed queues")
+    parser.add_argument(
+        "--buffer", metavar="DURATION", help="added to the retention (default: max(1d, 10%%))"
+    )
+    parser.add_argument(
+        "--consumer",
+        metavar="NAME",
+        action="append",
+        help="prune only this consumer (repeatable; default: every consumer)",
+    )
+    parser.add_argument(
+        "--window",
+        metavar="NAME=DURATION",
+        action="append",
+        help="a consumer's own retention instead of the common one, or 'forever' (repeatable)",
+    )
+    keep = render(DEFAULT_OUTBOX_KEEP)
+    parser.add_argument(
+        "--outbox-keep",
+        metavar="DURATION",
+        default=keep,
+        help=f"keep published outbox rows this long; 'off': leave them (default {keep})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        metavar="N",
+        type=int,
+        default=DEFAULT_BATCH,
+        help=f"rows deleted per transaction (default {DEFAULT_BATCH})",
+    )
+    parser.add_argument(
+        "--batch-pause", metavar="DURATION", help="wait between batches, e.g. 20ms (default none)"
+    )
+    parser.add_argument(
+        "--every", metavar="DURATION", help="run as a worker: a round every DURATION until SIGTERM"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="count what would be deleted")
+    parser.add_argument(
+        "--progress-every",
+        metavar="DURATION",
+        default=PROGRESS_EVERY,
+        help=f"a progress line this often in a round; 0: every batch (default {PROGRESS_EVERY})",
+    )
+
+
+def render(value: timedelta | None) -> str:
+    return "forever" if value is None else durations.render(value)
+
+
+def _duration(text: str | None, option: str) -> timedelta | None:
+    if text is None:
+        return None
+    if option == "--retention" and text.strip().lower() in durations.FOREVER:
+        raise UsageError(
+            f"--retention {text!r}: a pruner needs a finite window; to keep one consumer's "
+            "records forever, give it --window NAME=forever (or choose the others with --consumer)"
+        )
+    try:
+        return durations.parse(text, option)
+    except ConfigurationError as error:
+        raise UsageError(str(error)) from None
+
+
+def _windows(entries: list[str] | None) -> dict[str, timedelta | None]:
+    windows: dict[str, timedelta | None] = {}
+    for entry in entries or []:
+        name, _, text = entry.partition("=")
+        if not name.strip() or not text:
+            raise UsageError(f"--window {entry!r}: expected NAME=DURATION, e.g. ledger=30d")
+        forever = text.strip().lower() in durations.FOREVER
+        windows[name.strip()] = None if forever else _duration(text, f"--window {name.strip()}")
+    return windows
+
+
+def _broker_retention(args: argparse.Namespace) -> BrokerRetention | None:
+    if (args.topics and not args.kafka) or (args.queues and not args.rabbitmq):
+        raise UsageError("--topics goes with --kafka, --queues with --rabbitmq")
+    if (args.kafka and not args.topics) or (args.rabbitmq and not args.queues):
+        raise UsageError("--kafka needs --topics A,B and --rabbitmq needs --queues A,B")
+    if not (args.kafka or args.rabbitmq):
+        return None
+    option = "--kafka" if args.kafka else "--rabbitmq"
+    if args.rabbitmq:
+        password = urlsplit(args.rabbitmq).password
+        _SECRETS.update([password] if password else [])
+    if not args.verbose:  # the drivers log each failed connection attempt: one line is enough
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+        logging.getLogger("pika").setLevel(logging.CRITICAL)
+    # The adapters are optional extras; imported by name (as cmd_demo does) only when asked for.
+    try:
+        if args.kafka:
+            kafka = importlib.import_module("consumerdedup.adapters.kafka.retention")
+            found: BrokerRetention = kafka.kafka_retention(args.kafka, args.topics.split(","))
+        else:
+            rabbit = importlib.import_module("consumerdedup.adapters.rabbitmq.retention")
+            found = rabbit.rabbitmq_retention(args.rabbitmq, args.queues.split(","))
+        return found
+    except RetentionUnknown as error:
+        raise UsageError(f"{error}: pass --retention DURATION instead of {option}") from None
+    except ConfigurationError as error:
+        raise UsageError(str(error)) from None
+    except ImportError as error:
+        raise UsageError(describe(error)) from None
+    except Exception as error:
+        where = args.kafka or _address(args.rabbitmq)
+        raise CommandError(
+            f"cannot read the retention from {where} ({option}): {_text(error)}"
+        ) from error
+
+
+def _address(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 5672}"
+
+
+def _text(error: BaseException) -> str:
+    """``describe``, without the class name twice (aiokafka puts it in its messages)."""
+    text = " ".join(str(error).split())
+    return text if text.startswith(type(error).__name__) else describe(error)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    retention = _duration(args.retention, "--retention")
+    buffer = _duration(args.buffer, "--buffer")
+    every = _duration(args.every, "--every")
+    off = args.outbox_keep.strip().lower() == "off"
+    outbox_keep = None if off else _duration(args.outbox_keep, "--outbox-keep")
+    windows = _windows(args.window)
+    batch_pause = _duration(args.batch_pause, "--batch-pause") or timedelta(0)
+    every_batch = args.progress_every.strip() in ("0", "0s")
+    progress = timedelta(0) if every_batch else _duration(args.progress_every, "--progress-every")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, not {args.batch_size}")
+    url, engine, tables = _setup(args)
+    if missing := _missing(engine, tables):
+        raise CommandError(f"table(s) not found: {_names(missing)}; run `consumerdedup init-db`")
+    broker = _broker_retention(args)
+    if broker is not None:
+        retention = broker.window
+        print(f"retention from {broker.broker}: {broker.describe()}")
+        if retention is None:
+            kept = ", ".join(s.source for s in broker.forever)
+            whom = ", ".join(args.consumer) if args.consumer else "every consumer"
+            whom += " (but those given a --window)" if windows and not args.consumer else ""
+            print(f"{kept} keep(s) records forever: the records of {whom} are never pruned")
+    consumers = [*args.consumer, *windows] if args.consumer else None
+    try:
+        pruner = Pruner(
+            engine,
+            retention,
+            buffer,
+            windows=windows,
+            consumers=consumers,
+            outbox_keep=outbox_keep,
+            tables=tables,
+            batch_size=args.batch_size,
+            batch_pause=batch_pause,
+            dry_run=args.dry_run,
+            progress=_progress_printer(progress or timedelta(0)),
+        )
+        pruner.check_consumers()
+    except (UnknownConsumer, ConfigurationError) as error:
+        raise UsageError(str(error)) from None
+    print(f"{shown(url)}: {_plan(pruner, buffer)}", flush=True)
+    pruner.on_signals()
+    if every is None:
+        _print_report(pruner, pruner.run_once())
+        return 0
+    print(f"running every {render(every)} until SIGTERM", flush=True)
+    pruner.run(every, on_report=lambda report: _print_report(pruner, report))
+    print("stopped", flush=True)
+    return 0
+
+
+def _plan(pruner: Pruner, buffer: timedelta | None) -> str:
+    parts = [f"{name} {render(keep)}" for name, keep in pruner.keep.items()]
+    if pruner.consumers is None:
+        others = "other consumers" if parts else "every consumer"
+        parts.append(f"{others} {render(pruner.keep_others)}")
+    outbox = pruner.outbox_keep
+    tail = "outbox left alone" if outbox is None else f"published outbox rows {render(outbox)}"
+    basis = "" if buffer else ", buffer max(1d, 10%)"
+    return f"deleting what is older than retention + buffer{basis}: {', '.join(parts)}; {tail}"
+
+
+def _print_report(pruner: Pruner, report: PruneReport) -> None:
+    events, outbox = pruner.tables.processed_events.fullname, pruner.tables.outbox.fullname
+    if report.skipped:
+        print(f"skipped: another pruner holds the lock on {events}", flush=True)
+        return
+    verb = "would delete" if report.dry_run else "deleted"
+    per = ", ".join(f"{c} {n:,}" for c, n in sorted(report.deleted.items()) if n)
+    count = sum(report.deleted.values())
+    line = f"{verb} {count:,} rows from {events}" + (f" ({per})" if per else "")
+    line += f" and {report.outbox:,} published rows from {outbox} in {report.seconds:.1f}s"
+    print(line + (" (stopped early)" if report.stopped else ""), flush=True)
+
+
+def _progress_printer(every: timedelta) -> Callable[[PruneProgress], Any]:
+    """At most one line per ``every`` of a round (``progress.seconds`` counts from its start)."""
+    shown_at = [0.0]
+
+    def show(progress: PruneProgress) -> None:
+        if progress.seconds < shown_at[0]:  # a new round
+            shown_at[0] = 0.0
+        if progress.seconds - shown_at[0] >= every.total_seconds():
+            shown_at[0] = progress.seconds
+            print(
+                f"... {progress.deleted:,} rows deleted from {progress.table} so far "
+                f"({progress.rate:,.0f} rows/s)",
+                flush=True,
+            )
+
+    return show

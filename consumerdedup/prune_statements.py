@@ -1,0 +1,187 @@
+"""The pruner's SQL: bounded batch deletes that walk the processed_at index once per round.
+
+A batch takes the oldest expired rows in processed_at order (the index the
+table has for this), deletes them by physical address (ctid on PostgreSQL,
+rowid on SQLite) and reports the newest processed_at it deleted. The next
+batch starts from there, so rows a longer window protects are read once per
+round, not once per batch. Every selected row is deletable, so a batch either
+deletes something or ends the round: no loop can stall on protected rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BindParameter,
+    Connection,
+    DateTime,
+    Integer,
+    String,
+    bindparam,
+    text,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+
+from .schema import Tables
+
+PRUNER_LOCK = 0x0C0F
+"""Advisory-lock namespace (first int) of the pruner; the second int hashes the table name."""
+EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Batch:
+    deleted: Counter[str]
+    """Rows deleted per consumer."""
+    last: datetime | None
+    """The newest processed_at deleted: where the next batch starts."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.deleted.values())
+
+
+def _utc(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+class PruneStatements:
+    """Statements for one table set, one dialect and one set of consumer windows.
+
+    ``named`` are the consumers with a window of their own (None: kept forever);
+    ``others`` says whether every consumer not named is pruned with the default
+    cutoff too. Cutoffs are bound per round, in ``params``.
+    """
+
+    def __init__(self, tables: Tables, dialect: str, named: Sequence[str], others: bool) -> None:
+        self.postgres = dialect == "postgresql"
+        self.named = list(named)
+        self.others = others
+        prepare = _preparer(dialect)
+        pe, ob = tables.processed_events, tables.outbox
+        self.lock_name = pe.fullname
+        pe_name, ob_name = prepare.format_table(pe), prepare.format_table(ob)
+        stamp = DateTime(timezone=True)
+        self._binds: list[BindParameter[Any]] = [
+            bindparam("upper", type_=stamp),
+            bindparam("lower", type_=stamp),
+            bindparam("default_cutoff", type_=stamp),
+            *[bindparam(f"cutoff_{i}", type_=stamp) for i in range(len(self.named))],
+            *[bindparam(f"consumer_{i}", type_=String()) for i in range(len(self.named))],
+        ]
+        expired = f"processed_at < :upper AND {self._window_condition()}"
+        self._count = self._text(
+            f"SELECT consumer, count(*) AS n FROM {pe_name} WHERE {expired} GROUP BY consumer",
+            consumer=String(),
+            n=Integer(),
+        )
+        if self.postgres:
+            self._batch = self._text(
+                f"WITH batch AS (SELECT ctid FROM {pe_name} WHERE {expired} "
+                "AND processed_at >= :lower ORDER BY processed_at LIMIT :limit), "
+                f"gone AS (DELETE FROM {pe_name} WHERE ctid = ANY(ARRAY(SELECT ctid FROM batch)) "
+                f"AND {expired} RETURNING consumer, processed_at) "
+                "SELECT consumer, count(*) AS n, max(processed_at) AS last FROM gone "
+                "GROUP BY consumer",
+                consumer=String(),
+                n=Integer(),
+                last=stamp,
+            )
+        else:  # SQLite has no DML in WITH: the rows come back and are counted here
+            self._batch = self._text(
+                f"DELETE FROM {pe_name} WHERE rowid IN (SELECT rowid FROM {pe_name} "
+                f"WHERE {expired} AND processed_at >= :lower ORDER BY processed_at "
+                "LIMIT :limit) RETURNING consumer, processed_at",
+                consumer=String(),
+                processed_at=stamp,
+            )
+        # Unpublished rows have published_at NULL, which no comparison matches.
+        published = "published_at IS NOT NULL AND published_at < :outbox_cutoff"
+        page = f"SELECT id FROM {ob_name} WHERE {published} ORDER BY published_at LIMIT :limit"
+        ids = f"id = ANY(ARRAY({page}))" if self.postgres else f"id IN ({page})"
+        outbox_cutoff = bindparam("outbox_cutoff", type_=stamp)
+        self._outbox_delete = text(f"DELETE FROM {ob_name} WHERE {ids}").bindparams(outbox_cutoff)
+        self._outbox_count = text(f"SELECT count(*) FROM {ob_name} WHERE {published}").bindparams(
+            outbox_cutoff
+        )
+        self._consumer_rows = text(
+            f"SELECT 1 FROM {pe_name} WHERE consumer = :consumer LIMIT 1"
+        ).bindparams(bindparam("consumer", type_=String()))
+        self._consumers = text(f"SELECT DISTINCT consumer FROM {pe_name} ORDER BY consumer")
+
+    def _window_condition(self) -> str:
+        """Each consumer's rows against its own cutoff; a NULL cutoff (forever) matches nothing."""
+        if not self.named:
+            return "processed_at < :default_cutoff" if self.others else "1 = 0"
+        whens = " ".join(f"WHEN :consumer_{i} THEN :cutoff_{i}" for i in range(len(self.named)))
+        otherwise = ":default_cutoff" if self.others else "NULL"
+        condition = f"processed_at < CASE consumer {whens} ELSE {otherwise} END"
+        if not self.others:  # lets the planner use the primary key when that is cheaper
+            names = ", ".join(f":consumer_{i}" for i in range(len(self.named)))
+            condition = f"consumer IN ({names}) AND {condition}"
+        return condition
+
+    def _text(self, sql: str, **columns: Any) -> Any:
+        used = [b for b in self._binds if f":{b.key}" in sql]
+        return text(sql).bindparams(*used).columns(**columns)
+
+    def params(
+        self, cutoffs: Mapping[str, datetime | None], default: datetime | None
+    ) -> dict[str, Any]:
+        """Bind values for one round; ``upper`` is the latest cutoff of all (the index bound)."""
+        values: dict[str, Any] = {"default_cutoff": default, "lower": EARLIEST}
+        for i, name in enumerate(self.named):
+            values[f"consumer_{i}"] = name
+            values[f"cutoff_{i}"] = cutoffs.get(name)
+        live = [c for c in [*cutoffs.values(), default if self.others else None] if c is not None]
+        values["upper"] = max(live) if live else None
+        return values
+
+    def delete_batch(self, conn: Connection, params: Mapping[str, Any], limit: int) -> Batch:
+        rows = conn.execute(self._batch, {**params, "limit": limit}).all()
+        deleted: Counter[str] = Counter()
+        last: datetime | None = None
+        if self.postgres:
+            for consumer, n, newest in rows:
+                deleted[consumer] += n
+                last = newest if last is None else max(last, newest)
+        else:
+            for consumer, processed_at in rows:
+                deleted[consumer] += 1
+                last = processed_at if last is None else max(last, processed_at)
+        return Batch(deleted, None if last is None else _utc(last))
+
+    def count(self, conn: Connection, params: Mapping[str, Any]) -> Counter[str]:
+        return Counter({consumer: int(n) for consumer, n in conn.execute(self._count, params)})
+
+    def delete_outbox(self, conn: Connection, cutoff: datetime, limit: int) -> int:
+        result = conn.execute(self._outbox_delete, {"outbox_cutoff": cutoff, "limit": limit})
+        return int(result.rowcount)
+
+    def count_outbox(self, conn: Connection, cutoff: datetime) -> int:
+        return int(conn.execute(self._outbox_count, {"outbox_cutoff": cutoff}).scalar_one())
+
+    def try_lock(self, conn: Connection) -> bool:
+        statement = text("SELECT pg_try_advisory_lock(:ns, hashtext(:name))")
+        return bool(conn.execute(statement, {"ns": PRUNER_LOCK, "name": self.lock_name}).scalar())
+
+    def unlock(self, conn: Connection) -> None:
+        statement = text("SELECT pg_advisory_unlock(:ns, hashtext(:name))")
+        conn.execute(statement, {"ns": PRUNER_LOCK, "name": self.lock_name})
+
+    def has_records(self, conn: Connection, consumer: str) -> bool:
+        return conn.execute(self._consumer_rows, {"consumer": consumer}).first() is not None
+
+    def consumers(self, conn: Connection) -> list[str]:
+        return list(conn.execute(self._consumers).scalars())
+
+
+def _preparer(dialect: str) -> Any:
+    """Quotes table names the way the dialect does, without an engine at hand."""
+    module = postgresql if dialect == "postgresql" else sqlite
+    return module.dialect().identifier_preparer

@@ -1,0 +1,334 @@
+"""Pruner: deletes dedup records no redelivery can need any more, in small batches.
+
+The rule: a processed_events row is deleted only when its processed_at is
+older than now - (retention + buffer) for its consumer; a row exactly at that
+cutoff is kept. Published outbox rows go once older than ``outbox_keep``;
+unpublished ones are never touched. Each batch (``batch_size`` rows) is its
+own short transaction. On PostgreSQL one pruner works at a time per table (a
+session advisory lock held for the round; the others skip the round and say
+so); on SQLite the database's write lock serializes the batches instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from . import sqlite
+from .errors import ConfigurationError, describe
+from .prune_statements import EARLIEST, PruneStatements
+from .runner import StopSwitch
+from .schema import DEFAULT, Tables
+from .statements import SUPPORTED_DIALECTS, utcnow
+from .windows import UnknownConsumer, check_window, default_buffer
+
+logger = logging.getLogger("consumerdedup.pruner")
+
+DEFAULT_BATCH = 5000
+DEFAULT_OUTBOX_KEEP = timedelta(days=7)
+BUSY_RETRY = timedelta(minutes=1)
+"""``run``: when another pruner held the lock, try again this soon rather than a period later."""
+
+
+@dataclass(frozen=True)
+class PruneProgress:
+    """Told after every batch: how far the round has got in one table."""
+
+    table: str
+    deleted: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        """Rows deleted per second so far."""
+        return self.deleted / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """What one round did (or, in a dry run, would do)."""
+
+    deleted: Mapping[str, int] = field(default_factory=dict)
+    """processed_events rows per consumer."""
+    outbox: int = 0
+    """Published outbox rows."""
+    cutoffs: Mapping[str, datetime | None] = field(default_factory=dict)
+    """Per consumer named in the windows (``"*"``: every other one): rows older than this go;
+    None: kept forever."""
+    dry_run: bool = False
+    skipped: bool = False
+    """Another pruner held the lock: this round did nothing."""
+    stopped: bool = False
+    """stop() was asked during the round: it ended after the batch in flight."""
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(self.deleted.values()) + self.outbox
+
+
+class Pruner(StopSwitch):
+    """Deletes processed_events rows older than retention + buffer, and old published outbox rows.
+
+    ``retention`` applies to every consumer without a window of its own in
+    ``windows`` (a mapping of consumer name to timedelta, or None to keep that
+    consumer's records forever); ``retention=None`` prunes only the consumers
+    in ``windows``. ``consumers`` restricts the round to the consumers named.
+    ``buffer`` defaults to max(1 day, 10% of each consumer's retention).
+    Each batch of ``batch_size`` rows is a transaction; ``batch_pause`` between
+    batches leaves more of the database to the consumers on a busy server.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        retention: timedelta | None,
+        buffer: timedelta | None = None,
+        *,
+        windows: Mapping[str, timedelta | None] | None = None,
+        consumers: Iterable[str] | None = None,
+        outbox_keep: timedelta | None = DEFAULT_OUTBOX_KEEP,
+        tables: Tables = DEFAULT,
+        batch_size: int = DEFAULT_BATCH,
+        batch_pause: timedelta = timedelta(0),
+        dry_run: bool = False,
+        progress: Callable[[PruneProgress], Any] | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        super().__init__()
+        if engine.dialect.name not in SUPPORTED_DIALECTS:
+            raise ConfigurationError(f"unsupported database {engine.dialect.name!r}")
+        retention = check_window(retention, "retention")
+        buffer = check_window(buffer, "buffer")  # None: the default, per window
+        windows = dict(windows or {})
+        for name, window in windows.items():
+            windows[name] = check_window(window, f"window of consumer {_name(name)!r}")
+        selected = None if consumers is None else sorted({_name(c) for c in consumers})
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigurationError(f"batch_size must be an int >= 1, not {batch_size!r}")
+        if not isinstance(batch_pause, timedelta) or batch_pause < timedelta(0):
+            raise ConfigurationError(f"batch_pause must be a timedelta >= 0, not {batch_pause!r}")
+
+        def keep(window: timedelta | None) -> timedelta | None:
+            return None if window is None else window + (buffer or default_buffer(window))
+
+        named = selected if selected is not None else sorted(windows)
+        self.keep: dict[str, timedelta | None] = {
+            name: keep(windows.get(name, retention)) for name in named
+        }
+        """Per consumer named: how old a record must be before it goes (None: never)."""
+        self.keep_others = keep(retention) if selected is None else None
+        self.consumers = selected
+        self.windows = windows
+        self.outbox_keep = check_window(outbox_keep, "outbox_keep")
+        self.engine = sqlite.prepare(engine)  # batches: BEGIN IMMEDIATE on SQLite
+        self._reader = engine  # counts and checks: a plain BEGIN
+        self.tables = tables
+        self.batch_size = batch_size
+        self.batch_pause = batch_pause
+        self.dry_run = dry_run
+        self.progress = progress
+        self.clock = clock
+        self.postgres = engine.dialect.name == "postgresql"
+        self.statements = PruneStatements(
+            tables, engine.dialect.name, named, others=self.keep_others is not None
+        )
+        self.last: PruneReport | None = None
+
+    def prune(self) -> int:
+        """One round; returns how many rows it deleted (in a dry run: would delete)."""
+        return self.run_once().total
+
+    def run_once(self) -> PruneReport:
+        """One round: every expired batch of processed_events, then of the outbox."""
+        started = time.monotonic()
+        now = self._now()
+        cutoffs = {name: None if k is None else now - k for name, k in self.keep.items()}
+        others = None if self.keep_others is None else now - self.keep_others
+        shown = {**cutoffs, **({"*": others} if others is not None else {})}
+        outbox_cutoff = None if self.outbox_keep is None else now - self.outbox_keep
+        params = self.statements.params(cutoffs, others)
+        with (self._reader if self.dry_run else self.engine).connect() as conn:
+            if self.dry_run:
+                report = self._count(conn, params, outbox_cutoff, shown)
+            elif self.postgres and not self._lock(conn):
+                logger.info(
+                    "another pruner holds the lock on %s: skipping this round",
+                    self.tables.processed_events.fullname,
+                )
+                report = PruneReport(cutoffs=shown, skipped=True)
+            else:
+                try:
+                    deleted = self._delete_events(conn, params, started)
+                    outbox = self._delete_outbox(conn, outbox_cutoff, started)
+                finally:
+                    if self.postgres:
+                        self._unlock(conn)
+                report = PruneReport(deleted, outbox, shown, stopped=self.stopping)
+        report = replace(report, seconds=time.monotonic() - started)
+        self._log(report)
+        self.last = report
+        return report
+
+    def run(
+        self,
+        every: timedelta,
+        *,
+        on_report: Callable[[PruneReport], Any] | None = None,
+        busy_retry: timedelta = BUSY_RETRY,
+    ) -> int:
+        """A round every ``every`` until stop() (or SIGTERM after on_signals()); returns the total.
+
+        A failed round (the database away) is logged and tried again with a
+        growing delay, never longer than ``every``.
+        """
+        period = check_window(every, "every", allow_none=False)
+        retry = check_window(busy_retry, "busy_retry", allow_none=False)
+        assert period is not None and retry is not None
+        total = failures = 0
+        while not self.stopping:
+            started = time.monotonic()
+            try:
+                report = self.run_once()
+            except Exception as exc:
+                failures += 1
+                delay = min(period.total_seconds(), 2.0 ** min(failures, 9))
+                logger.warning("prune round failed (%s); retrying in %.0fs", describe(exc), delay)
+                self.pause(delay)
+                continue
+            failures = 0
+            total += report.total
+            if on_report is not None:
+                on_report(report)
+            wait = min(period, retry) if report.skipped else period
+            self.pause(max(wait.total_seconds() - (time.monotonic() - started), 0.0))
+        return total
+
+    def check_consumers(self) -> None:
+        """Raise UnknownConsumer if a consumer named in ``consumers`` or ``windows`` has no records.
+
+        A misspelt name would otherwise prune nothing, or prune a consumer with
+        the default window instead of its own. ``prune()`` does not call this:
+        a consumer whose records all expired is not an error for a scheduled pruner.
+        """
+        names = sorted(set(self.consumers or ()) | set(self.windows))
+        with self._reader.connect() as conn:
+            missing = [n for n in names if not self.statements.has_records(conn, n)]
+            if not missing:
+                return
+            known = self.statements.consumers(conn)
+        table = self.tables.processed_events.fullname
+        listed = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "") or "none"
+        raise UnknownConsumer(
+            f"unknown consumer(s) {', '.join(map(repr, missing))}: no records in {table} "
+            f"(consumers with records: {listed})"
+        )
+
+    # --- the round's parts ------------------------------------------------------------------
+
+    def _now(self) -> datetime:
+        now = self.clock()
+        if now.tzinfo is None:
+            raise ConfigurationError("the pruner's clock must return timezone-aware datetimes")
+        return now.astimezone(UTC)  # SQLite compares the stored UTC text
+
+    def _lock(self, conn: Connection) -> bool:
+        locked = self.statements.try_lock(conn)
+        conn.commit()  # the session lock outlives it; each batch is a transaction of its own
+        return locked
+
+    def _unlock(self, conn: Connection) -> None:
+        try:
+            if conn.in_transaction():
+                conn.rollback()
+            self.statements.unlock(conn)
+            conn.commit()
+        except Exception:
+            conn.invalidate()  # closing the connection releases the lock on the server
+
+    def _delete_events(
+        self, conn: Connection, params: dict[str, Any], started: float
+    ) -> Counter[str]:
+        deleted: Counter[str] = Counter()
+        if params["upper"] is None:
+            return deleted
+        lower = EARLIEST
+        table = self.tables.processed_events.fullname
+        while not self.stopping:
+            with conn.begin():
+                batch = self.statements.delete_batch(
+                    conn, {**params, "lower": lower}, self.batch_size
+                )
+            deleted.update(batch.deleted)
+            self._tell(table, sum(deleted.values()), started)
+            if batch.total < self.batch_size or batch.last is None:
+                break
+            lower = batch.last  # rows at exactly this time that are left still qualify
+            self._breathe()
+        return deleted
+
+    def _delete_outbox(self, conn: Connection, cutoff: datetime | None, started: float) -> int:
+        deleted = 0
+        table = self.tables.outbox.fullname
+        while cutoff is not None and not self.stopping:
+            with conn.begin():
+                count = self.statements.delete_outbox(conn, cutoff, self.batch_size)
+            deleted += count
+            self._tell(table, deleted, started)
+            if count < self.batch_size:
+                break
+            self._breathe()
+        return deleted
+
+    def _breathe(self) -> None:
+        """Leave the database to the consumers between batches, if asked to; stop() wakes it."""
+        if self.batch_pause > timedelta(0):
+            self.pause(self.batch_pause.total_seconds())
+
+    def _count(
+        self,
+        conn: Connection,
+        params: dict[str, Any],
+        outbox_cutoff: datetime | None,
+        shown: dict[str, datetime | None],
+    ) -> PruneReport:
+        events = self.statements.count(conn, params) if params["upper"] is not None else Counter()
+        outbox = 0 if outbox_cutoff is None else self.statements.count_outbox(conn, outbox_cutoff)
+        return PruneReport(events, outbox, shown, dry_run=True)
+
+    def _tell(self, table: str, deleted: int, started: float) -> None:
+        elapsed = time.monotonic() - started
+        logger.debug("pruning %s: %d rows deleted in %.1fs", table, deleted, elapsed)
+        if self.progress is not None:
+            try:
+                self.progress(PruneProgress(table, deleted, elapsed))
+            except Exception:
+                logger.exception("progress callback %r raised; pruning goes on", self.progress)
+
+    def _log(self, report: PruneReport) -> None:
+        if report.skipped:
+            return
+        verb = "would delete" if report.dry_run else "deleted"
+        per = ", ".join(f"{c}={n}" for c, n in sorted(report.deleted.items())) or "none"
+        logger.info(
+            "%s %d processed_events rows (%s) and %d published outbox rows in %.1fs%s",
+            verb,
+            sum(report.deleted.values()),
+            per,
+            report.outbox,
+            report.seconds,
+            " (stopped early)" if report.stopped else "",
+        )
+
+
+def _name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"a consumer name must be a non-empty str, not {name!r}")
+    return name

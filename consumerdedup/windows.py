@@ -1,0 +1,95 @@
+"""How long a dedup record must be kept: the retention window, the buffer, and the broker's word.
+
+The rule: a processed_events row may be deleted only when it is older than
+retention + buffer, where retention is how long the broker can still deliver
+the message again and the buffer covers what the broker's number leaves out
+(clock skew between hosts, a consumer holding a message unacked, a lagging
+consumer, a segment not yet deleted). ``None`` as a window means "kept forever".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from . import durations
+from .errors import ConfigurationError, ConsumerDedupError
+
+LONGEST = timedelta(days=36500)
+"""Windows beyond a century are "forever" in disguise: say None instead."""
+MIN_BUFFER = timedelta(days=1)
+BUFFER_SHARE = 0.10
+"""The default buffer: the larger of MIN_BUFFER and this share of the retention."""
+
+
+class UnknownConsumer(ConfigurationError):
+    """A consumer named explicitly has no records at all: most likely a typo."""
+
+
+class RetentionUnknown(ConsumerDedupError):
+    """The broker does not say how long it keeps messages: the window must be given explicitly."""
+
+
+def check_window(value: object, what: str, *, allow_none: bool = True) -> timedelta | None:
+    """``value`` if it is a usable window (a positive timedelta, or None for forever)."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, timedelta):
+        forever = " (None keeps records forever)" if allow_none else ""
+        raise ConfigurationError(f"{what} must be a datetime.timedelta{forever}, not {value!r}")
+    if value <= timedelta(0):
+        raise ConfigurationError(f"{what} must be positive, not {durations.render(value)}")
+    if value > LONGEST:
+        hint = "pass None to keep records forever" if allow_none else "it must be finite"
+        raise ConfigurationError(f"{what} of over a century is not a window: {hint}")
+    return value
+
+
+def default_buffer(retention: timedelta) -> timedelta:
+    """max(1 day, 10% of the retention)."""
+    return max(MIN_BUFFER, retention * BUFFER_SHARE)
+
+
+@dataclass(frozen=True)
+class SourceRetention:
+    """How long one topic or queue can deliver a message again; None: forever."""
+
+    source: str
+    window: timedelta | None
+    detail: str
+    """Where the number came from, e.g. ``retention.ms=604800000 + segment.ms=86400000``."""
+
+    def describe(self) -> str:
+        shown = "forever" if self.window is None else durations.render(self.window)
+        return f"{self.source}: {shown} ({self.detail})"
+
+
+@dataclass(frozen=True)
+class BrokerRetention:
+    """The broker's answer for the sources a consumer reads: the longest of them wins."""
+
+    broker: str
+    sources: tuple[SourceRetention, ...]
+
+    @classmethod
+    def of(cls, broker: str, sources: Iterable[SourceRetention]) -> BrokerRetention:
+        found = tuple(sources)
+        if not found:
+            raise ConfigurationError("no topics or queues given to read the retention of")
+        return cls(broker, found)
+
+    @property
+    def window(self) -> timedelta | None:
+        """None when any source keeps messages forever, else the longest window."""
+        windows = [s.window for s in self.sources]
+        if any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
+    @property
+    def forever(self) -> Sequence[SourceRetention]:
+        return [s for s in self.sources if s.window is None]
+
+    def describe(self) -> str:
+        return "; ".join(s.describe() for s in self.sources)
