@@ -1,4 +1,4 @@
-"""The ``consumerdedup`` command: ``init-db``, ``stats`` and ``demo``.
+"""The ``consumerdedup`` command: ``init-db``, ``stats``, ``demo``, ``prune`` and ``relay``.
 
 Bad input is one line on stderr and exit 2 (usage) or 1 (runtime); a traceback
 only with ``--verbose``. Passwords in URLs are never printed: URLs are shown
@@ -271,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     text = "delete dedup records older than retention + buffer, once or --every"
     add_arguments(command("prune", cmd_prune, text))
+    from .relay_cli import add_arguments as add_relay_arguments
+    from .relay_cli import cmd_relay
+
+    text = "publish committed outbox rows to Kafka or RabbitMQ until SIGTERM (or --once)"
+    add_relay_arguments(command("relay", cmd_relay, text))
     return parser
 
 

@@ -97,6 +97,11 @@ class OutboxRelay(StopSwitch):
 
     def run_once(self) -> int:
         """One round: claim, publish, mark, commit. Returns how many rows were published."""
+        if inspect.iscoroutinefunction(self.publisher.publish) and _loop_running():
+            raise ConfigurationError(
+                "OutboxRelay blocks: from asyncio code run it in a thread "
+                "(await asyncio.to_thread(relay.run_once), or relay.run)"
+            )
         self._broker_trouble = False
         with self.engine.connect() as conn, conn.begin():
             now = utcnow()
@@ -256,6 +261,14 @@ class OutboxRelay(StopSwitch):
         state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
         state.attempt_number = failures
         return float(self._backoff(state))
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 async def _awaited(awaitable: Any) -> Any:

@@ -9,7 +9,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig, KeyFunction
 from .convert import OFFSET_HEADER, PARTITION_HEADER, SOURCE_HEADER
-from .errors import KafkaAdapterError, PublishFailed
+from .errors import BrokerUnavailable, KafkaAdapterError, PublishFailed
 from .publisher import AsyncPublisher, KafkaPublisher
 from .runner import KafkaConsumerRunner
 
@@ -19,6 +19,7 @@ __all__ = [
     "PARTITION_HEADER",
     "SOURCE_HEADER",
     "AsyncPublisher",
+    "BrokerUnavailable",
     "KafkaAdapterError",
     "KafkaConfig",
     "KafkaConsumerRunner",

@@ -11,3 +11,8 @@ class KafkaAdapterError(ConsumerDedupError):
 
 class PublishFailed(KafkaAdapterError):
     """The broker did not acknowledge a record (the aiokafka error is the ``__cause__``)."""
+
+
+class BrokerUnavailable(PublishFailed, ConnectionError):
+    """The broker could not be reached or timed out: transient, so the outbox relay backs
+    off without charging the event an attempt."""

@@ -8,12 +8,12 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
-from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+from aiokafka.errors import KafkaError, KafkaTimeoutError  # type: ignore[import-untyped]
 
 from consumerdedup.errors import describe
 
 from .config import DEFAULT_BOOTSTRAP, PUBLISHER_OWNED, reject_owned
-from .errors import PublishFailed
+from .errors import BrokerUnavailable, PublishFailed
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, bytes]]
 
@@ -114,7 +114,10 @@ class KafkaPublisher:
                 topic, value, key=_bytes(key), headers=_header_list(headers)
             )
         except KafkaError as exc:
-            raise PublishFailed(f"cannot publish to {topic!r}: {describe(exc)}") from exc
+            # Retriable errors and timeouts mean "not now", not "never": the relay waits.
+            transient = getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError)
+            error = BrokerUnavailable if transient else PublishFailed
+            raise error(f"cannot publish to {topic!r}: {describe(exc)}") from exc
 
 
 def _bytes(value: str | bytes | None) -> bytes | None:

@@ -1,0 +1,103 @@
+"""``consumerdedup relay``: move committed outbox rows to Kafka or RabbitMQ until SIGTERM.
+
+``--once`` publishes everything that can go now and exits (for cron or a
+deploy step); otherwise the relay runs until SIGTERM/SIGINT, finishing its
+round before it exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+from typing import Any
+
+from . import durations
+from .cli import _SECRETS, CommandError, UsageError, _missing, _names, _setup, shown
+from .errors import ConfigurationError, describe
+from .relay import OutboxRelay, RelayConfig
+
+log = logging.getLogger(__name__)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("broker (one of)").add_mutually_exclusive_group(
+        required=True
+    )
+    target.add_argument("--kafka", metavar="BOOTSTRAP", help="host:port[,host:port...]")
+    target.add_argument("--amqp", metavar="URL", help="amqp://user:password@host:5672/%%2F")
+    parser.add_argument("--batch", type=_positive, default=100, help="rows per round (100)")
+    parser.add_argument("--once", action="store_true", help="publish what can go now, then exit")
+    parser.add_argument("--poll", metavar="DURATION", default="1s", help="idle wait (1s)")
+    parser.add_argument(
+        "--max-attempts", type=_positive, default=10, help="failed publishes before parking (10)"
+    )
+    parser.add_argument(
+        "--delete-published", action="store_true", help="delete rows once published"
+    )
+    parser.add_argument(
+        "--no-idempotence",
+        action="store_true",
+        help="Kafka: for brokers without idempotent producers (such as Tansu)",
+    )
+
+
+def _publisher(args: argparse.Namespace) -> Any:
+    broker = "kafka" if args.kafka else "rabbitmq"
+    try:
+        adapter = importlib.import_module(f"consumerdedup.adapters.{broker}")
+    except ImportError as error:
+        raise UsageError(describe(error)) from None
+    if args.kafka:
+        return adapter.KafkaPublisher(args.kafka, enable_idempotence=not args.no_idempotence)
+    _SECRETS.update(p for p in [_amqp_password(args.amqp)] if p)
+    return adapter.RabbitPublisher(args.amqp)
+
+
+def _amqp_password(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    url, engine, tables = _setup(args)
+    try:
+        config = RelayConfig(
+            batch_size=args.batch,
+            poll_interval=durations.parse(args.poll, "--poll"),
+            max_attempts=args.max_attempts,
+            delete_published=args.delete_published,
+        )
+    except ConfigurationError as error:
+        raise UsageError(str(error)) from None
+    if missing := _missing(engine, tables):
+        raise CommandError(f"table(s) not found: {_names(missing)}; run `consumerdedup init-db`")
+    publisher = _publisher(args)
+    with OutboxRelay(engine, publisher, tables=tables, config=config) as relay:
+        if args.once:
+            count = relay.drain()
+            print(f"published {count} event(s); {relay.backlog()} waiting ({shown(url)})")
+        else:
+            relay.on_signals()
+            print(f"relay running on {shown(url)}; SIGTERM or SIGINT stops it", flush=True)
+            relay.run()
+        parked = relay.parked()
+    if hasattr(publisher, "close"):
+        publisher.close()
+    if parked:
+        log.error("%d event(s) parked after repeated failures: %s", len(parked), parked[:5])
+    return 0
