@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from consumerdedup import ConfigurationError
-from consumerdedup.adapters.kafka import AsyncPublisher, KafkaPublisher, PublishFailed
+from consumerdedup import ConfigurationError, Publisher
+from consumerdedup.adapters.kafka import KafkaPublisher, PublishFailed
 from tests.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 
 
@@ -14,7 +14,7 @@ async def test_publish_sends_body_key_and_headers_and_returns_once_acknowledged(
 ) -> None:
     topic = await topics.create("publish")
     publisher = KafkaPublisher(kafka.bootstrap, enable_idempotence=kafka.idempotence)
-    relay_side: AsyncPublisher = publisher  # what the outbox relay will hold
+    relay_side: Publisher = publisher  # what the outbox relay will hold
     async with publisher:
         await relay_side.publish(topic, b'{"n": 1}', key="order-1", headers={"event_id": "e-1"})
         await relay_side.publish(topic, b'{"n": 2}')

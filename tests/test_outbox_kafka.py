@@ -16,7 +16,6 @@ from sqlalchemy.orm import Session
 from consumerdedup import (
     Deduplicator,
     Message,
-    Outbox,
     OutboxRelay,
     Outcome,
     RelayConfig,
@@ -31,20 +30,9 @@ from tests.kafka_service import (  # noqa: F401
     tansu_binary,
     topics_fixture,
 )
+from tests.outbox_events import add_events
 
 FAST = RelayConfig(batch_size=200, poll_interval=timedelta(seconds=0.2))
-
-
-def add_events(db: Any, topic: str, count: int, keys: int, chunk: int = 500) -> list[str]:
-    """``count`` events over ``keys`` keys; body ``key:seq`` with seq counting per key."""
-    outbox = Outbox(db.tables)
-    ids = []
-    for start in range(0, count, chunk):
-        with Session(db.engine) as session, session.begin():
-            for n in range(start, min(start + chunk, count)):
-                body = f"k{n % keys}:{n // keys}".encode()
-                ids.append(outbox.add(session, topic, body, key=f"k{n % keys}"))
-    return ids
 
 
 def publisher(kafka: KafkaService, bootstrap: str | None = None) -> KafkaPublisher:

@@ -15,29 +15,17 @@ from sqlalchemy.orm import Session
 from consumerdedup import (
     Deduplicator,
     Message,
-    Outbox,
     OutboxRelay,
     Outcome,
     RelayConfig,
     SimulatedCrash,
 )
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner, RabbitPublisher
+from tests.outbox_events import add_events
 from tests.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.tcp_proxy import Proxy
 
 FAST = RelayConfig(batch_size=200, poll_interval=timedelta(seconds=0.2))
-
-
-def add_events(db: Any, queue: str, count: int, keys: int, chunk: int = 500) -> list[str]:
-    """``count`` events over ``keys`` keys; body ``key:seq`` with seq counting per key."""
-    outbox = Outbox(db.tables)
-    ids = []
-    for start in range(0, count, chunk):
-        with Session(db.engine) as session, session.begin():
-            for n in range(start, min(start + chunk, count)):
-                body = f"k{n % keys}:{n // keys}".encode()
-                ids.append(outbox.add(session, queue, body, key=f"k{n % keys}"))
-    return ids
 
 
 def consume_downstream(db: Any, url: str, queue: str) -> tuple[str, dict[Outcome, int]]:

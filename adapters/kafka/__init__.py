@@ -10,7 +10,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig, KeyFunction
 from .convert import OFFSET_HEADER, PARTITION_HEADER, SOURCE_HEADER
 from .errors import BrokerUnavailable, KafkaAdapterError, PublishFailed
-from .publisher import AsyncPublisher, KafkaPublisher
+from .publisher import KafkaPublisher
 from .runner import KafkaConsumerRunner
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "OFFSET_HEADER",
     "PARTITION_HEADER",
     "SOURCE_HEADER",
-    "AsyncPublisher",
     "BrokerUnavailable",
     "KafkaAdapterError",
     "KafkaConfig",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError, KafkaTimeoutError  # type: ignore[import-untyped]
@@ -16,23 +16,6 @@ from .config import DEFAULT_BOOTSTRAP, PUBLISHER_OWNED, reject_owned
 from .errors import BrokerUnavailable, PublishFailed
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, bytes]]
-
-
-class AsyncPublisher(Protocol):
-    """What the outbox relay publishes through, for asyncio.
-
-    - ``publish`` returns only once the broker has acknowledged the message; a failure raises.
-    - Headers travel with the message (the outbox's ``event_id`` among them).
-    - A message may be delivered more than once (a retry after a lost ack), never lost.
-    """
-
-    async def publish(
-        self,
-        destination: str,
-        body: bytes,
-        key: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None: ...
 
 
 class KafkaPublisher:
