@@ -10,6 +10,7 @@ import tenacity
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from . import sqlite
+from .errors import PermanentError
 from .message import Message
 from .ops import (
     Attempt,
@@ -111,6 +112,13 @@ class AsyncDedupHandler:
 
                 await tenacity.AsyncRetrying(**self.dedup.retrying_options())(again)
         return [await self._settle(result) for result in self.pipeline.finish(batch)]
+
+    async def refuse(self, message: Message, error: PermanentError) -> Result:
+        """FAILED without reaching the pipeline, for a delivery an adapter cannot use.
+
+        The dead-letter hook, the counters and the log are told as for any FAILED.
+        """
+        return await self._settle(Result(message, Outcome.FAILED, error))
 
     async def _attempt(self, batch: Batch) -> AttemptReport:
         async with self.dedup.session_factory() as session:

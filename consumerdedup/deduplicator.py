@@ -10,6 +10,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import sqlite
+from .errors import PermanentError
 from .message import Message
 from .ops import (
     Attempt,
@@ -109,6 +110,13 @@ class DedupHandler:
 
                 tenacity.Retrying(**self.dedup.retrying_options())(again)
         return [self._settle(result) for result in self.pipeline.finish(batch)]
+
+    def refuse(self, message: Message, error: PermanentError) -> Result:
+        """FAILED without reaching the pipeline, for a delivery an adapter cannot use.
+
+        The dead-letter hook, the counters and the log are told as for any FAILED.
+        """
+        return self._settle(Result(message, Outcome.FAILED, error))
 
     def _attempt(self, batch: Batch) -> AttemptReport:
         with self.dedup.session_factory() as session:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -177,17 +176,9 @@ class KafkaConsumerRunner(ConsumerRunner):
 
     async def _refuse(self, message: Message, reason: str) -> Result:
         """FAILED without reaching the pipeline; its hooks are told as they would be."""
-        dedup = self.handler.dedup
-        result = Result(message, Outcome.FAILED, InvalidMessage(reason))
-        if dedup.dead_letter is not None:
-            try:
-                told = dedup.dead_letter(result)
-                if inspect.isawaitable(told):
-                    await told
-            except Exception as exc:
-                result = dedup.dead_letter_failed(result, exc)
-        dedup.account(result)
-        return result
+        if isinstance(self.handler, AsyncDedupHandler):
+            return await self.handler.refuse(message, InvalidMessage(reason))
+        return await asyncio.to_thread(self.handler.refuse, message, InvalidMessage(reason))
 
     async def _dead_letter(
         self, dead_letters: KafkaPublisher, records: Sequence[Any], results: Sequence[Result]
