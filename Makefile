@@ -24,11 +24,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check consumerdedup adapters tests bench examples
 	$(BIN)/ruff format --check consumerdedup adapters tests bench examples
 	$(BIN)/mypy
-	$(BIN)/mypy adapters/__init__.py adapters/rabbitmq
+	$(BIN)/mypy adapters/__init__.py adapters/rabbitmq adapters/kafka
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pipeline.py
 	$(BIN)/python bench/bench_rabbitmq.py
+	$(BIN)/python bench/bench_kafka.py
+	$(BIN)/python bench/bench_relay.py
+	$(BIN)/python bench/bench_pruner.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
