@@ -8,9 +8,11 @@ from typing import Any
 
 from sqlalchemy import (
     ARRAY,
+    BigInteger,
     Connection,
     Text,
     and_,
+    any_,
     bindparam,
     delete,
     exists,
@@ -70,7 +72,7 @@ class RelayStatements:
             ob.c.body,
             ob.c.headers,
             ob.c.attempts,
-        ).where(ob.c.id.in_(bindparam("ids", expanding=True)), ob.c.published_at.is_(None))
+        ).where(self._in_ids(), ob.c.published_at.is_(None))
         self._rows = rows.order_by(ob.c.id)
         if self.postgres:
             self._rows = self._rows.with_for_update(skip_locked=True)
@@ -83,11 +85,9 @@ class RelayStatements:
                 func.pg_try_advisory_xact_lock(RELAY_LOCKS, func.hashtext(keys.c.k))
             )
         self._published = (
-            update(ob)
-            .where(ob.c.id.in_(bindparam("ids", expanding=True)))
-            .values(published_at=bindparam("now"), last_error=None)
+            update(ob).where(self._in_ids()).values(published_at=bindparam("now"), last_error=None)
         )
-        self._delete = delete(ob).where(ob.c.id.in_(bindparam("ids", expanding=True)))
+        self._delete = delete(ob).where(self._in_ids())
         self._failed = (
             update(ob)
             .where(ob.c.id == bindparam("row_id"))
@@ -103,6 +103,13 @@ class RelayStatements:
         self._parked = select(ob.c.event_id, ob.c.last_error).where(
             and_(ob.c.published_at.is_(None), ob.c.attempts >= bindparam("max_attempts"))
         )
+
+    def _in_ids(self) -> Any:
+        """``id IN (:ids)``; on PostgreSQL one array parameter, so the statement text (and
+        its server-side plan) stays the same whatever the number of ids."""
+        if self.postgres:
+            return self.table.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
+        return self.table.c.id.in_(bindparam("ids", expanding=True))
 
     def claim(self, conn: Connection, now: datetime, limit: int, max_attempts: int) -> list[Any]:
         """Rows this relay alone may publish now, in id order, locked until commit.
