@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from consumerdedup import Outbox
+from consumerdedup import DedupHandler, Deduplicator, Message, Outbox
 
 
 def add_events(db: Any, destination: str, count: int, keys: int, chunk: int = 500) -> list[str]:
@@ -19,3 +20,31 @@ def add_events(db: Any, destination: str, count: int, keys: int, chunk: int = 50
                 body = f"k{n % keys}:{n // keys}".encode()
                 ids.append(outbox.add(session, destination, body, key=f"k{n % keys}"))
     return ids
+
+
+class Downstream:
+    """The consumer after the relay: applies ``key:seq`` events into a ledger, deduplicated by
+    event_id; the ledger's serial column records the order they were applied in."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+        self.ledger = db.name("applied")
+        with db.engine.begin() as conn:
+            conn.execute(
+                text(f"CREATE TABLE {self.ledger} (n SERIAL, key TEXT, seq INT, event_id TEXT)")
+            )
+        dedup = Deduplicator(db.engine, consumer="downstream", tables=db.tables)
+        self.handler: DedupHandler = dedup.handler(self._apply)
+
+    def _apply(self, message: Message, session: Session) -> None:
+        key, seq = message.body.decode().split(":")
+        session.execute(
+            text(f"INSERT INTO {self.ledger} (key, seq, event_id) VALUES (:k, :s, :e)"),
+            {"k": key, "s": int(seq), "e": message.id},
+        )
+
+    def applied(self) -> list[tuple[str, int, str]]:
+        """(key, seq, event_id) in the order applied."""
+        with self.db.engine.connect() as conn:
+            rows = conn.execute(text(f"SELECT key, seq, event_id FROM {self.ledger} ORDER BY n"))
+            return [(str(k), int(s), str(e)) for k, s, e in rows]

@@ -11,10 +11,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.orm import Session
 
 from consumerdedup import (
-    Deduplicator,
     Message,
     OutboxRelay,
     Outcome,
@@ -30,7 +28,7 @@ from tests.kafka_service import (  # noqa: F401
     tansu_binary,
     topics_fixture,
 )
-from tests.outbox_events import add_events
+from tests.outbox_events import Downstream, add_events
 
 FAST = RelayConfig(batch_size=200, poll_interval=timedelta(seconds=0.2))
 
@@ -41,26 +39,13 @@ def publisher(kafka: KafkaService, bootstrap: str | None = None) -> KafkaPublish
 
 def apply_downstream(db: Any, records: list[Any]) -> tuple[list[tuple[str, int]], list[Outcome]]:
     """Feed every record, in (partition, offset) order, through a deduplicating consumer."""
-    ledger = db.name("applied")
-    with db.engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {ledger} (n SERIAL, key TEXT, seq INT, event_id TEXT)"))
-    dedup = Deduplicator(db.engine, consumer="downstream", tables=db.tables)
-
-    @dedup.handler
-    def apply(message: Message, session: Session) -> None:
-        key, seq = message.body.decode().split(":")
-        session.execute(
-            text(f"INSERT INTO {ledger} (key, seq, event_id) VALUES (:k, :s, :e)"),
-            {"k": key, "s": int(seq), "e": message.id},
-        )
-
+    downstream = Downstream(db)
     outcomes = []
     for record in records:
         event_id = dict(record.headers)["event_id"].decode()
-        outcomes.append(apply(Message(id=event_id, body=record.value, source=record.topic)))
-    with db.engine.connect() as conn:
-        rows = conn.execute(text(f"SELECT event_id, seq FROM {ledger} ORDER BY n")).all()
-    return [(str(e), int(s)) for e, s in rows], outcomes
+        message = Message(id=event_id, body=record.value, source=record.topic)
+        outcomes.append(downstream.handler(message))
+    return [(event_id, seq) for _, seq, event_id in downstream.applied()], outcomes
 
 
 @pytest.mark.slow

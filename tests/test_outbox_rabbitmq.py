@@ -10,50 +10,28 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.orm import Session
 
 from consumerdedup import (
-    Deduplicator,
-    Message,
     OutboxRelay,
     Outcome,
     RelayConfig,
     SimulatedCrash,
 )
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner, RabbitPublisher
-from tests.outbox_events import add_events
+from tests.outbox_events import Downstream, add_events
 from tests.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.tcp_proxy import Proxy
 
 FAST = RelayConfig(batch_size=200, poll_interval=timedelta(seconds=0.2))
 
 
-def consume_downstream(db: Any, url: str, queue: str) -> tuple[str, dict[Outcome, int]]:
-    """Apply every event once into a ledger whose serial id records the handling order."""
-    ledger = db.name("applied")
-    with db.engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {ledger} (n SERIAL, key TEXT, seq INT, event_id TEXT)"))
-    dedup = Deduplicator(db.engine, consumer="downstream", tables=db.tables)
-
-    @dedup.handler
-    def apply(message: Message, session: Session) -> None:
-        key, seq = message.body.decode().split(":")
-        session.execute(
-            text(f"INSERT INTO {ledger} (key, seq, event_id) VALUES (:k, :s, :e)"),
-            {"k": key, "s": int(seq), "e": message.id},
-        )
-
-    runner = RabbitConsumerRunner(apply, queue, url=url, config=RabbitConfig(batch_size=100))
+def consume_downstream(db: Any, url: str, queue: str) -> tuple[Downstream, dict[Outcome, int]]:
+    """Apply every event once, through a RabbitMQ runner."""
+    downstream = Downstream(db)
+    config = RabbitConfig(batch_size=100)
+    runner = RabbitConsumerRunner(downstream.handler, queue, url=url, config=config)
     runner.run(until_idle=True)
-    return ledger, dict(runner.outcomes)
-
-
-def applied(db: Any, ledger: str) -> list[tuple[str, int, str]]:
-    with db.engine.connect() as conn:
-        return [
-            tuple(r)
-            for r in conn.execute(text(f"SELECT key, seq, event_id FROM {ledger} ORDER BY n"))
-        ]  # type: ignore[misc]
+    return downstream, dict(runner.outcomes)
 
 
 @pytest.mark.slow
@@ -80,8 +58,8 @@ def test_ten_thousand_events_through_three_relays_each_applied_once_in_key_order
     assert all(r.published > 0 for r in relays), [r.published for r in relays]
     assert rabbit.held(queue) >= len(ids)
 
-    ledger, outcomes = consume_downstream(pg, amqp_url, queue)
-    rows = applied(pg, ledger)
+    downstream, outcomes = consume_downstream(pg, amqp_url, queue)
+    rows = downstream.applied()
     assert sorted(event_id for _, _, event_id in rows) == sorted(ids)  # each exactly once
     assert outcomes.get(Outcome.PROCESSED) == len(ids)
     per_key: dict[str, list[int]] = defaultdict(list)
@@ -116,8 +94,8 @@ def test_relay_killed_after_the_confirm_republishes_and_downstream_answers_dupli
     assert OutboxRelay(pg.engine, real, tables=pg.tables, config=FAST).drain() == 6
     assert rabbit.held(queue) == 9  # the first three went twice: at least once
 
-    ledger, outcomes = consume_downstream(pg, amqp_url, queue)
-    assert sorted(e for _, _, e in applied(pg, ledger)) == sorted(ids)
+    downstream, outcomes = consume_downstream(pg, amqp_url, queue)
+    assert sorted(e for _, _, e in downstream.applied()) == sorted(ids)
     assert outcomes == {Outcome.PROCESSED: 6, Outcome.DUPLICATE: 3}
 
 
