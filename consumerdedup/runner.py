@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -35,12 +36,18 @@ DEAD_LETTER_SUFFIX = ".dlq"
 
 BeforeAck = Callable[[Sequence[Result]], None]
 
+_SIGNAL_CHECK = 0.1
+"""Longest a pause goes without looking at the signal flag."""
+
 
 class StopSwitch:
     """A thread-safe stop flag for long-running workers, wired to signals on request."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        # Set by the signal handler, which must take no lock: it runs on the main thread,
+        # possibly while that thread holds the Event's own lock inside pause().
+        self._signalled = False
 
     def stop(self) -> None:
         """Ask the worker to finish its batch, commit, ack, close and return."""
@@ -48,17 +55,20 @@ class StopSwitch:
 
     @property
     def stopping(self) -> bool:
-        return self._event.is_set()
+        return self._signalled or self._event.is_set()
 
     def pause(self, seconds: float) -> bool:
-        """Sleep, waking early on stop(); True if stop was asked."""
-        return self._event.wait(seconds)
+        """Sleep, waking early on stop() or a stop signal; True if stop was asked."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and (left := deadline - time.monotonic()) > 0:
+            self._event.wait(min(left, _SIGNAL_CHECK))
+        return self.stopping
 
     def on_signals(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         """Stop gracefully on these signals (call from the main thread)."""
 
         def handle(signum: int, frame: FrameType | None) -> None:
-            self.stop()
+            self._signalled = True
 
         for sig in signals:
             signal.signal(sig, handle)
