@@ -64,6 +64,24 @@ def handler(
     return handle
 
 
+def two_runners(
+    kafka: KafkaService, engine: AsyncEngine, pg: Any, ledger: str, topic: str, group: str
+) -> tuple[KafkaConsumerRunner, KafkaConsumerRunner]:
+    """Two members of one group, writing as 'first' and 'second', slow enough to overlap."""
+    first, second = (
+        make_runner(
+            kafka,
+            kafka.bootstrap,
+            handler(engine, pg.tables, ledger, who=who, pause=0.002),
+            topic,
+            group,
+            batch_size=20,
+        )
+        for who in ("first", "second")
+    )
+    return first, second
+
+
 def make_runner(
     kafka_or_config: KafkaService | KafkaConfig,
     bootstrap: str,
@@ -156,17 +174,7 @@ async def test_two_runners_one_cancelled_mid_stream_the_other_takes_over(
     stream, expected = payloads(1500, 0.2, seed=2)
     await topics.produce_many(topic, stream, partitions=4)
     group = "cancel-" + topic
-    first, second = (
-        make_runner(
-            kafka,
-            kafka.bootstrap,
-            handler(engine, pg.tables, ledger, who=who, pause=0.002),
-            topic,
-            group,
-            batch_size=20,
-        )
-        for who in ("first", "second")
-    )
+    first, second = two_runners(kafka, engine, pg, ledger, topic, group)
     first_task = asyncio.create_task(first.run())
     second_task = asyncio.create_task(second.run())
     await wait_for(
@@ -240,17 +248,7 @@ async def test_a_runner_joining_mid_stream_takes_partitions_cleanly(
     events = [(f"e-{i:05d}", json.dumps({"n": i}).encode()) for i in range(1200)]
     await topics.produce_many(topic, events, partitions=4)
     group = "join-" + topic
-    first, second = (
-        make_runner(
-            kafka,
-            kafka.bootstrap,
-            handler(engine, pg.tables, ledger, who=who, pause=0.002),
-            topic,
-            group,
-            batch_size=20,
-        )
-        for who in ("first", "second")
-    )
+    first, second = two_runners(kafka, engine, pg, ledger, topic, group)
     first_task = asyncio.create_task(first.run())
     await wait_for(lambda: _true(count(pg, f"SELECT count(*) FROM {ledger}") >= 200), "progress")
     second_task = asyncio.create_task(second.run())  # a rebalance while a batch is in flight
