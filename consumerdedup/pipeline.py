@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .errors import InvalidMessage, PayloadMismatch, RecordedFailure, describe
+from .errors import (
+    ConfigurationError,
+    InvalidMessage,
+    PayloadMismatch,
+    RecordedFailure,
+    describe,
+)
 from .message import Message, payload_hash, validate_id
 from .ops import (
     Attempt,
@@ -117,7 +123,7 @@ class Pipeline:
                 claimed = yield from self._insert(runnable, [])
             unknown = [item for item in todo if item.key not in claimed]
             if unknown:
-                found = yield self._lookup(unknown)
+                found = yield self._lookup([item.key for item in unknown])
                 unknown = [item for item in unknown if not self._decide_recorded(item, found)]
             if optimistic_claim:
                 fresh = [item for item in runnable if item.key in claimed]
@@ -143,6 +149,8 @@ class Pipeline:
                 yield Rollback()
                 return AttemptReport(pending=True, backoff=False)
             yield Commit()
+        except ConfigurationError:
+            raise  # a wrong setup is no message's failure: the caller must hear of it
         except Exception as exc:  # the transaction itself failed: nothing of it stands
             # Every undecided item pays an attempt, or an unreachable database would
             # be retried forever instead of ending in RETRY.
@@ -211,16 +219,33 @@ class Pipeline:
     def _insert(
         self, processed: Sequence[_Item], failed: Sequence[_Item]
     ) -> Generator[Op, Any, set[str]]:
-        """INSERT the dedup rows ON CONFLICT DO NOTHING; send back the keys that were ours."""
+        """INSERT the dedup rows ON CONFLICT DO NOTHING; send back the keys that were ours.
+
+        On a partitioned table, where nothing can conflict, the keys are locked
+        and looked up first, and only the free ones are inserted.
+        """
         now = utcnow()
         rows = [self._row(item, now, None) for item in processed]
         rows += [self._row(item, now, item.refused) for item in failed]
+        if self.statements.serialized:
+            keys = [row["message_id"] for row in rows]
+            yield Execute(*self.statements.lock(self.consumer, keys), Statements.read_lock)
+            taken = yield self._lookup(keys)
+            rows = [row for row in rows if row["message_id"] not in taken]
+            if not rows:
+                return set()
         statement, params = self.statements.record(rows)
-        inserted: set[str] = yield Execute(statement, params, Statements.read_recorded)
+        try:
+            inserted: set[str] = yield Execute(statement, params, Statements.read_recorded)
+        except Exception as exc:
+            mismatch = Statements.mismatch(exc)
+            if mismatch is not None:
+                raise mismatch from exc
+            raise
         return inserted
 
-    def _lookup(self, items: Sequence[_Item]) -> Execute:
-        statement, params = self.statements.lookup(self.consumer, [item.key for item in items])
+    def _lookup(self, keys: Sequence[str]) -> Execute:
+        statement, params = self.statements.lookup(self.consumer, keys)
         return Execute(statement, params, Statements.read_lookup)
 
     def _row(self, item: _Item, now: datetime, error: BaseException | None) -> dict[str, Any]:

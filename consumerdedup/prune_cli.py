@@ -232,6 +232,8 @@ def _print_report(pruner: Pruner, report: PruneReport) -> None:
     per = ", ".join(f"{c} {n:,}" for c, n in sorted(report.deleted.items()) if n)
     count = sum(report.deleted.values())
     line = f"{verb} {count:,} rows from {events}" + (f" ({per})" if per else "")
+    if report.partitions:
+        line += f", {len(report.partitions)} partitions whole ({', '.join(report.partitions)})"
     line += f" and {report.outbox:,} published rows from {outbox} in {report.seconds:.1f}s"
     print(line + (" (stopped early)" if report.stopped else ""), flush=True)
 

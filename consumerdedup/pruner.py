@@ -2,8 +2,10 @@
 
 The rule: a processed_events row is deleted only when its processed_at is
 older than now - (retention + buffer) for its consumer; a row exactly at that
-cutoff is kept. Published outbox rows go once older than ``outbox_keep``;
-unpublished ones are never touched. Each batch (``batch_size`` rows) is its
+cutoff is kept. A range-partitioned processed_events loses whole partitions
+first: those whose every row is past every consumer's cutoff. Published
+outbox rows go once older than ``outbox_keep``; unpublished ones are never
+touched. Each batch (``batch_size`` rows) is its
 own short transaction. On PostgreSQL one pruner works at a time per table (a
 session advisory lock held for the round; the others skip the round and say
 so); on SQLite the database's write lock serializes the batches instead.
@@ -20,9 +22,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from . import sqlite
 from .errors import ConfigurationError, describe
+from .partitions import AHEAD, DAY, DayPartitions
 from .prune_statements import EARLIEST, PruneStatements
 from .runner import StopSwitch
 from .schema import DEFAULT, Tables
@@ -67,6 +71,9 @@ class PruneReport:
     """Another pruner held the lock: this round did nothing."""
     stopped: bool = False
     """stop() was asked during the round: it ended after the batch in flight."""
+    partitions: tuple[str, ...] = ()
+    """Partitions of processed_events dropped whole (dry run: that would be); their rows
+    are counted in ``deleted``."""
     seconds: float = 0.0
 
     @property
@@ -137,6 +144,7 @@ class Pruner(StopSwitch):
         self.progress = progress
         self.clock = clock
         self.postgres = engine.dialect.name == "postgresql"
+        self.partitions = DayPartitions(tables.processed_events) if self.postgres else None
         self.statements = PruneStatements(
             tables, engine.dialect.name, named, others=self.keep_others is not None
         )
@@ -158,6 +166,7 @@ class Pruner(StopSwitch):
         with (self._reader if self.dry_run else self.engine).connect() as conn:
             if self.dry_run:
                 report = self._count(conn, params, outbox_cutoff, shown)
+                report = replace(report, partitions=self._expired_partitions(conn, cutoffs, others))
             elif self.postgres and not self._lock(conn):
                 logger.info(
                     "another pruner holds the lock on %s: skipping this round",
@@ -166,12 +175,15 @@ class Pruner(StopSwitch):
                 report = PruneReport(cutoffs=shown, skipped=True)
             else:
                 try:
-                    deleted = self._delete_events(conn, params, started)
+                    deleted, dropped = self._drop_partitions(conn, now, cutoffs, others, started)
+                    deleted += self._delete_events(conn, params, started, sum(deleted.values()))
                     outbox = self._delete_outbox(conn, outbox_cutoff, started)
                 finally:
                     if self.postgres:
                         self._unlock(conn)
-                report = PruneReport(deleted, outbox, shown, stopped=self.stopping)
+                report = PruneReport(
+                    deleted, outbox, shown, stopped=self.stopping, partitions=tuple(dropped)
+                )
         report = replace(report, seconds=time.monotonic() - started)
         self._log(report)
         self.last = report
@@ -253,8 +265,76 @@ class Pruner(StopSwitch):
         except Exception:
             conn.invalidate()  # closing the connection releases the lock on the server
 
+    def _drop_threshold(
+        self, cutoffs: Mapping[str, datetime | None], others: datetime | None
+    ) -> datetime | None:
+        """Whole partitions may go up to the earliest cutoff, if every consumer has one."""
+        if self.consumers is not None or others is None:
+            return None  # some consumers' records are not this round's to delete
+        if any(cutoff is None for cutoff in cutoffs.values()):
+            return None  # a partition holds every consumer's rows: one kept forever keeps it
+        return min([others, *(c for c in cutoffs.values() if c is not None)])
+
+    def _expired_partitions(
+        self,
+        conn: Connection,
+        cutoffs: Mapping[str, datetime | None],
+        others: datetime | None,
+    ) -> tuple[str, ...]:
+        threshold = self._drop_threshold(cutoffs, others)
+        if self.partitions is None or threshold is None:
+            return ()
+        if not self.partitions.is_partitioned(conn):
+            return ()
+        return tuple(p.name for p in self.partitions.ranges(conn) if p.upper <= threshold)
+
+    def _drop_partitions(
+        self,
+        conn: Connection,
+        now: datetime,
+        cutoffs: Mapping[str, datetime | None],
+        others: datetime | None,
+        started: float,
+    ) -> tuple[Counter[str], list[str]]:
+        """Partitioned processed_events: make the days ahead, drop the days wholly expired.
+
+        A partition goes only when its upper bound is at or before every
+        consumer's cutoff, so each of its rows is older than its own window. A
+        drop that cannot get its lock in time is skipped: the batch deletes
+        that follow take those rows instead.
+        """
+        deleted: Counter[str] = Counter()
+        dropped: list[str] = []
+        if self.partitions is None:
+            return deleted, dropped
+        with conn.begin():
+            if not self.partitions.is_partitioned(conn):
+                return deleted, dropped
+            self.partitions.ensure(conn, now.date() - DAY, AHEAD + 2)
+        threshold = self._drop_threshold(cutoffs, others)
+        if threshold is None:
+            return deleted, dropped
+        with conn.begin():
+            expired = [p for p in self.partitions.ranges(conn) if p.upper <= threshold]
+        table = self.tables.processed_events.fullname
+        for partition in expired:
+            if self.stopping:
+                break
+            try:
+                with conn.begin():
+                    counts = self.partitions.count(conn, partition)
+                    self.partitions.drop(conn, partition)
+            except DBAPIError as error:
+                logger.warning("partition %s not dropped (%s)", partition.name, describe(error))
+                continue
+            deleted.update(counts)
+            dropped.append(partition.name)
+            logger.info("dropped partition %s (%d rows)", partition.name, counts.total())
+            self._tell(table, deleted.total(), started)
+        return deleted, dropped
+
     def _delete_events(
-        self, conn: Connection, params: dict[str, Any], started: float
+        self, conn: Connection, params: dict[str, Any], started: float, before: int = 0
     ) -> Counter[str]:
         deleted: Counter[str] = Counter()
         if params["upper"] is None:
@@ -267,7 +347,7 @@ class Pruner(StopSwitch):
                     conn, {**params, "lower": lower}, self.batch_size
                 )
             deleted.update(batch.deleted)
-            self._tell(table, sum(deleted.values()), started)
+            self._tell(table, before + sum(deleted.values()), started)
             if batch.total < self.batch_size or batch.last is None:
                 break
             lower = batch.last  # rows at exactly this time that are left still qualify
@@ -318,10 +398,11 @@ class Pruner(StopSwitch):
         verb = "would delete" if report.dry_run else "deleted"
         per = ", ".join(f"{c}={n}" for c, n in sorted(report.deleted.items())) or "none"
         logger.info(
-            "%s %d processed_events rows (%s) and %d published outbox rows in %.1fs%s",
+            "%s %d processed_events rows (%s)%s and %d published outbox rows in %.1fs%s",
             verb,
             sum(report.deleted.values()),
             per,
+            f", {len(report.partitions)} partitions whole" if report.partitions else "",
             report.outbox,
             report.seconds,
             " (stopped early)" if report.stopped else "",

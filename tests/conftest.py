@@ -70,10 +70,12 @@ def _sqlite(tmp_path: Path) -> Iterator[Database]:
     engine.dispose()
 
 
-def _postgres(url: str) -> Iterator[Database]:
+def _postgres(url: str, partitioned: bool = False) -> Iterator[Database]:
     schema = f"t_{uuid.uuid4().hex[:12]}"
     engine = create_engine(url, **_engine_options("postgresql"))
-    tables = Tables.define(f"{schema}.processed_events", f"{schema}.outbox")
+    tables = Tables.define(
+        f"{schema}.processed_events", f"{schema}.outbox", partitioned=partitioned
+    )
     install(engine, tables)
     async_url = make_url(url).set(drivername="postgresql+psycopg").render_as_string(False)
     try:
@@ -84,13 +86,28 @@ def _postgres(url: str) -> Iterator[Database]:
         engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
-    """Each test using it runs on SQLite and on the real PostgreSQL."""
-    if request.param == "sqlite":
+def database(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterator[Database]:
+    """``sqlite``, ``postgresql``, or ``postgresql-partitioned`` (processed_events by day)."""
+    if kind == "sqlite":
         yield from _sqlite(tmp_path)
     else:
-        yield from _postgres(request.getfixturevalue("postgres_url"))
+        url = request.getfixturevalue("postgres_url")
+        yield from _postgres(url, partitioned=kind == "postgresql-partitioned")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """Each test using it runs on SQLite and on the real PostgreSQL.
+
+    Modules about the claim itself override it to add a partitioned processed_events.
+    """
+    yield from database(request, request.param, tmp_path)
+
+
+@pytest.fixture
+def pg_partitioned(postgres_url: str) -> Iterator[Database]:
+    """PostgreSQL with processed_events range-partitioned by day."""
+    yield from _postgres(postgres_url, partitioned=True)
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ import json
 import multiprocessing
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from consumerdedup import Deduplicator, Message, Outcome
 from tests import workers
+from tests.conftest import Database, database
 
 SPAWN = multiprocessing.get_context("spawn")
 WORKERS = 16
@@ -22,16 +25,34 @@ IDS = 2_000
 COPIES = 3
 
 
-def names(db: Any) -> tuple[str, str]:
-    return (db.tables.processed_events.fullname, db.tables.outbox.fullname)
+@pytest.fixture(params=["sqlite", "postgresql", "postgresql-partitioned"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, request.param, tmp_path)
+
+
+def names(db: Any) -> tuple[str, str, bool]:
+    tables = db.tables
+    return (tables.processed_events.fullname, tables.outbox.fullname, tables.partitioned)
 
 
 @pytest.mark.slow
 # SQLite runs one writer at a time, so there the two modes race alike.
 @pytest.mark.parametrize(
     ("db", "claim_first"),
-    [("sqlite", True), ("postgresql", True), ("postgresql", False)],
-    ids=["sqlite-claim-first", "postgresql-claim-first", "postgresql-check-first"],
+    [
+        ("sqlite", True),
+        ("postgresql", True),
+        ("postgresql", False),
+        ("postgresql-partitioned", True),
+        ("postgresql-partitioned", False),
+    ],
+    ids=[
+        "sqlite-claim-first",
+        "postgresql-claim-first",
+        "postgresql-check-first",
+        "partitioned-claim-first",
+        "partitioned-check-first",
+    ],
     indirect=["db"],
 )
 def test_sixteen_workers_racing_every_id_three_times_apply_each_once(
@@ -100,16 +121,19 @@ def test_process_killed_at_each_step_leaves_each_effect_once(db: Any, step: str)
         assert conn.exec_driver_sql(f"SELECT count(*) FROM {pe}").scalar() == 1
 
 
+@pytest.mark.parametrize("db", ["postgresql", "postgresql-partitioned"], indirect=True)
 @pytest.mark.parametrize("claim_first", [False, True])
-def test_concurrent_twins_on_postgres(pg: Any, claim_first: bool) -> None:
+def test_concurrent_twins_on_postgres(db: Any, claim_first: bool) -> None:
     """Two deliveries of one id at once, both past the lookup before either commits.
 
     Insert-last: both handlers run, the loser's insert waits on the winner's
     key, then rolls back its work. Claim-first: the twin waits on the claim
-    and never runs the handler.
+    and never runs the handler. On a partitioned table the wait is on the
+    claim's advisory lock instead of the key.
     """
     import threading
 
+    pg = db
     ledger = pg.create_ledger()
     dedup = Deduplicator(pg.engine, consumer="ledger", tables=pg.tables)
     calls: list[str] = []

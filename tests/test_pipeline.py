@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +20,15 @@ from consumerdedup import (
     RetryLater,
     RetryPolicy,
 )
+from tests.conftest import Database, database
 
 FAST = RetryPolicy(attempts=3, initial_delay=timedelta(0), max_delay=timedelta(0))
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "postgresql-partitioned"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """The claim's guarantees hold on a partitioned processed_events too (locks, not a key)."""
+    yield from database(request, request.param, tmp_path)
 
 
 def payment(mid: Any, account: str = "alice", amount: int = 10) -> Message:

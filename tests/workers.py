@@ -19,10 +19,16 @@ from consumerdedup import Deduplicator, Message, Tables
 CRASH_EXIT = 99
 
 
-def _deduplicator(url: str, names: tuple[str, str], ledger: str, **options: Any) -> Any:
+Names = tuple[str, str, bool]
+"""processed_events, outbox, and whether processed_events is partitioned."""
+
+
+def _deduplicator(url: str, names: Names, ledger: str, **options: Any) -> Any:
     connect_args = {"timeout": 60} if url.startswith("sqlite") else {}
     engine = create_engine(url, connect_args=connect_args)
-    dedup = Deduplicator(engine, consumer="ledger", tables=Tables.define(*names), **options)
+    events, outbox, partitioned = names
+    tables = Tables.define(events, outbox, partitioned=partitioned)
+    dedup = Deduplicator(engine, consumer="ledger", tables=tables, **options)
 
     def insert(message: Message, session: Session) -> None:
         data = message.json()
@@ -36,7 +42,7 @@ def _deduplicator(url: str, names: tuple[str, str], ledger: str, **options: Any)
 
 def race(
     url: str,
-    names: tuple[str, str],
+    names: Names,
     ledger: str,
     bodies: dict[str, bytes],
     copies: int,
@@ -57,7 +63,7 @@ def race(
     return dict(outcomes)
 
 
-def crash_at(url: str, names: tuple[str, str], ledger: str, body: bytes, step: str) -> None:
+def crash_at(url: str, names: Names, ledger: str, body: bytes, step: str) -> None:
     """Process one message and die (os._exit, no cleanup) at ``step`` of the pipeline."""
     engine, dedup, insert = _deduplicator(url, names, ledger)
 

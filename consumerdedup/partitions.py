@@ -1,0 +1,149 @@
+"""Daily range partitions of processed_events on PostgreSQL: made ahead of time, dropped whole.
+
+A partitioned processed_events has a DEFAULT partition, so an insert never
+fails for want of a day's partition, and one partition per UTC day, made
+``AHEAD`` days ahead by ``install`` and by every pruner round. A day whose
+rows already sit in the DEFAULT partition cannot get its own partition any
+more (PostgreSQL refuses): it is skipped, and its rows are batch-deleted
+like those of an unpartitioned table. Partition DDL waits at most
+``LOCK_TIMEOUT`` for its lock, so it never stalls consumers queued behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Table, text
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import DBAPIError
+
+logger = logging.getLogger("consumerdedup.partitions")
+
+DAY = timedelta(days=1)
+AHEAD = 7
+"""Days of partitions made ahead; a daily pruner keeps the horizon moving."""
+LOCK_TIMEOUT = "2s"
+_BOUNDS = re.compile(r"FROM \('([^']+)'\) TO \('([^']+)'\)")
+
+
+@dataclass(frozen=True)
+class RangePartition:
+    """One partition and the processed_at range it holds: lower <= processed_at < upper."""
+
+    name: str
+    lower: datetime
+    upper: datetime
+
+
+class DayPartitions:
+    """The partition DDL and catalog reads for one processed_events table."""
+
+    def __init__(self, table: Table) -> None:
+        from .schema import fit_name  # schema imports this module for install()
+
+        self.table = table
+        self._schema_prefix = f"{_quote(table.schema)}." if table.schema else ""
+        self.parent = self._schema_prefix + _quote(table.name)
+        self._fit = fit_name
+        self.default_name = fit_name("", table.name, "default")
+
+    def qualified(self, name: str) -> str:
+        return self._schema_prefix + _quote(name)
+
+    def name_for(self, day: date) -> str:
+        return self._fit("", self.table.name, f"p{day:%Y%m%d}")
+
+    def is_partitioned(self, conn: Connection) -> bool:
+        statement = text("SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass(:t)")
+        return conn.execute(statement, {"t": self.parent}).first() is not None
+
+    def create_default(self, conn: Connection) -> None:
+        conn.execute(
+            text(
+                f"CREATE TABLE IF NOT EXISTS {self.qualified(self.default_name)} "
+                f"PARTITION OF {self.parent} DEFAULT"
+            )
+        )
+
+    def ensure(self, conn: Connection, first: date, days: int) -> list[str]:
+        """Make the day partitions from ``first`` on that are missing; returns those made.
+
+        Each is tried in a savepoint: a day PostgreSQL refuses (its rows already
+        in DEFAULT, a partition of the user's overlapping it, a lock not granted
+        in time) is logged and skipped, and the others are still made.
+        """
+        existing = {p.lower.date() for p in self.ranges(conn) if p.upper - p.lower == DAY}
+        made: list[str] = []
+        for offset in range(days):
+            day = first + timedelta(days=offset)
+            if day in existing:
+                continue
+            name = self.name_for(day)
+            lower = datetime.combine(day, datetime.min.time(), UTC)
+            try:
+                with conn.begin_nested():
+                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+                    conn.execute(
+                        text(
+                            f"CREATE TABLE {self.qualified(name)} PARTITION OF {self.parent} "
+                            f"FOR VALUES FROM ('{lower.isoformat()}') TO "
+                            f"('{(lower + DAY).isoformat()}')"
+                        )
+                    )
+            except DBAPIError as error:
+                reason = str(getattr(error, "orig", error)).strip().splitlines()[0]
+                logger.warning("partition %s for %s not made: %s", name, day, reason)
+                continue
+            made.append(name)
+        return made
+
+    def ranges(self, conn: Connection) -> list[RangePartition]:
+        """The partitions with a finite range, oldest first (not DEFAULT, not MINVALUE ones)."""
+        # Bounds print in the session's time zone: read them in UTC, whatever the server's.
+        statement = text(
+            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
+            "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(:t)"
+        )
+        with conn.begin_nested():
+            conn.execute(text("SET LOCAL TimeZone = 'UTC'"))
+            rows = conn.execute(statement, {"t": self.parent}).all()
+        found: list[RangePartition] = []
+        for name, bound in rows:
+            match = _BOUNDS.search(bound or "")
+            if match is None:
+                continue
+            try:
+                lower, upper = (_instant(value) for value in match.groups())
+            except ValueError:
+                continue
+            found.append(RangePartition(name, lower, upper))
+        return sorted(found, key=lambda p: (p.lower, p.upper))
+
+    def count(self, conn: Connection, partition: RangePartition) -> Counter[str]:
+        statement = text(
+            f"SELECT consumer, count(*) FROM {self.qualified(partition.name)} GROUP BY consumer"
+        )
+        return Counter({consumer: int(n) for consumer, n in conn.execute(statement)})
+
+    def drop(self, conn: Connection, partition: RangePartition) -> None:
+        conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+        conn.execute(text(f"DROP TABLE {self.qualified(partition.name)}"))
+
+
+def _quote(name: str) -> str:
+    dialect: Any = postgresql
+    return str(dialect.dialect().identifier_preparer.quote(name))
+
+
+def _instant(value: str) -> datetime:
+    parsed = datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def today() -> date:
+    return datetime.now(UTC).date()
