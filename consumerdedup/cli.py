@@ -101,7 +101,11 @@ def shown(url: URL) -> str:
 def _setup(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
     """Validate the options; the engine does not connect until first used."""
     try:
-        tables = Tables.define(args.processed_events_table, args.outbox_table)
+        tables = Tables.define(
+            args.processed_events_table,
+            args.outbox_table,
+            partitioned=getattr(args, "partitioned", False),
+        )
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
     url = parse_url(args.db)
@@ -127,7 +131,10 @@ def cmd_init_db(args: argparse.Namespace) -> int:
         sys.stdout.write(ddl(engine, tables))
         return 0
     missing = _missing(engine, tables)
-    install(engine, tables)
+    try:
+        install(engine, tables)
+    except ConfigurationError as error:  # --partitioned on SQLite or on a plain table
+        raise CommandError(str(error)) from None
     present = [t.fullname for t in tables.all if t not in missing]
     done = [f"created {_names(missing)}"] if missing else []
     done += [f"already present: {', '.join(present)}"] if present else []
@@ -263,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = command("init-db", cmd_init_db, "create the tables (idempotent)")
     init.add_argument("--sql", action="store_true", help="print the DDL instead; needs no database")
+    init.add_argument(
+        "--partitioned",
+        action="store_true",
+        help="PostgreSQL: processed_events range-partitioned by day, so pruning drops whole days "
+        "(consumers must then use Tables.define(partitioned=True))",
+    )
     stats = command("stats", cmd_stats, "counts per consumer and of the outbox")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     command("demo", cmd_demo, "run the embedded demo (SQLite and an in-memory broker)")
