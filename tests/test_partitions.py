@@ -33,7 +33,8 @@ def children(db: Database) -> set[str]:
     with db.engine.connect() as conn:
         rows = conn.execute(
             text(
-                "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = CAST(:t AS regclass)"
+                "SELECT inhrelid::regclass::text FROM pg_inherits "
+                "WHERE inhparent = CAST(:t AS regclass)"
             ),
             {"t": db.tables.processed_events.fullname},
         )
