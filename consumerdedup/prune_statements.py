@@ -81,13 +81,16 @@ class PruneStatements:
             n=Integer(),
         )
         if self.postgres:
+            # On a partitioned table a ctid names a row in each partition: the guard keeps
+            # any extra match to expired rows, and the next batch starts from the newest row
+            # selected (not deleted), so an extra match never makes a batch skip rows.
             self._batch = self._text(
-                f"WITH batch AS (SELECT ctid FROM {pe_name} WHERE {expired} "
+                f"WITH batch AS (SELECT ctid, processed_at FROM {pe_name} WHERE {expired} "
                 "AND processed_at >= :lower ORDER BY processed_at LIMIT :limit), "
                 f"gone AS (DELETE FROM {pe_name} WHERE ctid = ANY(ARRAY(SELECT ctid FROM batch)) "
-                f"AND {expired} RETURNING consumer, processed_at) "
-                "SELECT consumer, count(*) AS n, max(processed_at) AS last FROM gone "
-                "GROUP BY consumer",
+                f"AND {expired} RETURNING consumer) "
+                "SELECT consumer, count(*) AS n, (SELECT max(processed_at) FROM batch) AS last "
+                "FROM gone GROUP BY consumer",
                 consumer=String(),
                 n=Integer(),
                 last=stamp,
