@@ -225,6 +225,9 @@ class Bench:
         self.raw_conn: psycopg.Connection[Any] | None = None
         self.async_engine: AsyncEngine = create_async_engine(url)
         self.tables = Tables.define(f"{self.schema}.processed_events", f"{self.schema}.outbox")
+        self.partitioned = Tables.define(
+            f"{self.schema}.processed_by_day", f"{self.schema}.outbox_by_day", partitioned=True
+        )
         self.insert_sql = text(
             f"INSERT INTO {self.payments} (account, amount, message_id) "
             "VALUES (:account, :amount, :message_id)"
@@ -234,6 +237,7 @@ class Bench:
 
     def setup(self) -> None:
         install(self.engine, self.tables)
+        install(self.engine, self.partitioned)  # today's partition, 7 days ahead, DEFAULT
         with self.engine.begin() as conn:
             conn.execute(
                 text(f"CREATE TABLE {self.payments} (account text, amount int, message_id text)")
@@ -292,8 +296,20 @@ class Bench:
         async def ahandle(message: Message, session: AsyncSession) -> None:
             await session.execute(insert_sql, business_params(message))
 
+        by_day = Deduplicator(self.engine, consumer="bench", tables=self.partitioned)
+
+        @by_day.handler
+        def handle_by_day(message: Message, session: Session) -> None:
+            session.execute(insert_sql, business_params(message))
+
         def one_by_one(messages: Sequence[Message]) -> list[Outcome]:
             return [handle(m) for m in messages]
+
+        def one_by_one_by_day(messages: Sequence[Message]) -> list[Outcome]:
+            return [handle_by_day(m) for m in messages]
+
+        def batched_by_day(messages: Sequence[Message]) -> list[Outcome]:
+            return [o for part in chunks(messages, 100) for o in handle_by_day.batch(part)]
 
         def one_by_one_check(messages: Sequence[Message]) -> list[Outcome]:
             return [handle_check_first(m) for m in messages]
@@ -352,6 +368,8 @@ class Bench:
             (Scenario("(c) pipeline .batch(500)", "sync", 500, batched(500)), batch),
             (Scenario("(c) pipeline .batch(500)", "async", 500, in_loop(abatched(500))), batch),
             (Scenario("ref: baseline, no dedup", "async", 1, in_loop(abaseline), True), per),
+            (Scenario("ref: partitioned, per message", "sync", 1, one_by_one_by_day, True), per),
+            (Scenario("ref: partitioned, .batch(100)", "sync", 100, batched_by_day, True), batch),
             (Scenario("ref: plain psycopg, 2 inserts", "sync", 1, raw, True), per),
         ]
         out = []

@@ -222,7 +222,7 @@ class Pipeline:
         """INSERT the dedup rows ON CONFLICT DO NOTHING; send back the keys that were ours.
 
         On a partitioned table, where nothing can conflict, the keys are locked
-        and looked up first, and only the free ones are inserted.
+        first, and the INSERT skips those any partition already holds.
         """
         now = utcnow()
         rows = [self._row(item, now, None) for item in processed]
@@ -230,10 +230,6 @@ class Pipeline:
         if self.statements.serialized:
             keys = [row["message_id"] for row in rows]
             yield Execute(*self.statements.lock(self.consumer, keys), Statements.read_lock)
-            taken = yield self._lookup(keys)
-            rows = [row for row in rows if row["message_id"] not in taken]
-            if not rows:
-                return set()
         statement, params = self.statements.record(rows)
         try:
             inserted: set[str] = yield Execute(statement, params, Statements.read_recorded)

@@ -7,16 +7,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Integer, Select, String, TextualSelect, bindparam, select, text
+from sqlalchemy import Select, TextualSelect, bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
+from . import partitioned_statements
 from .errors import ConfigurationError
 from .schema import Tables
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite")
-CLAIM_LOCKS = 0x0C10
-"""Advisory-lock namespace of claims on a partitioned processed_events (first int of the key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,51 +43,45 @@ class Statements:
         pe = tables.processed_events
         self.tables = tables
         self.dialect = dialect
-        self._lookup: Select[Any] = select(
+        self._lookup: Select[Any] | TextualSelect = select(
             pe.c.message_id, pe.c.payload_hash, pe.c.outcome, pe.c.error
         ).where(
             pe.c.consumer == bindparam("consumer"),
             pe.c.message_id.in_(bindparam("keys", expanding=True)),
         )
         self.serialized = tables.partitioned
-        """Claims serialize on advisory locks and a lookup: no unique key to conflict on."""
+        """Claims serialize on advisory locks: a partitioned table has no key to conflict on."""
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        self._record: Insert | TextualSelect = (
+            insert(pe)
+            .on_conflict_do_nothing(index_elements=[pe.c.consumer, pe.c.message_id])
+            .returning(pe.c.message_id)
+        )
         if self.serialized:
             if dialect != "postgresql":
                 raise ConfigurationError("a partitioned processed_events needs PostgreSQL")
-            self._record = insert(pe).returning(pe.c.message_id)
-        else:
-            self._record = (
-                insert(pe)
-                .on_conflict_do_nothing(index_elements=[pe.c.consumer, pe.c.message_id])
-                .returning(pe.c.message_id)
-            )
-        # Locks in hash order, so two batches sharing keys cannot deadlock; the ordered
-        # subquery is not flattened, so the locks are taken in that order.
-        self._lock: TextualSelect = (
-            text(
-                "SELECT current_setting('transaction_isolation') AS isolation, count(*) AS locked "
-                "FROM (SELECT pg_advisory_xact_lock(:ns, h) FROM (SELECT DISTINCT "
-                "hashtext(:consumer || '/' || k) AS h FROM unnest(CAST(:keys AS text[])) AS k "
-                "ORDER BY h) AS hashes) AS locks"
-            )
-            .bindparams(bindparam("consumer", type_=String()))
-            .columns(isolation=String(), locked=Integer())
-        )
+            self._lookup = partitioned_statements.lookup(pe)
+            self._record = partitioned_statements.record(pe)
+        self._lock = partitioned_statements.lock()
 
-    def lookup(self, consumer: str, keys: Sequence[str]) -> tuple[Select[Any], dict[str, Any]]:
+    def lookup(
+        self, consumer: str, keys: Sequence[str]
+    ) -> tuple[Select[Any] | TextualSelect, dict[str, Any]]:
         return self._lookup, {"consumer": consumer, "keys": list(keys)}
 
     @staticmethod
     def read_lookup(rows: Iterable[Any]) -> dict[str, Recorded]:
         return {key: Recorded(digest, outcome, error) for key, digest, outcome, error in rows}
 
-    def record(self, rows: Iterable[Mapping[str, Any]]) -> tuple[Insert, list[dict[str, Any]]]:
+    def record(self, rows: Iterable[Mapping[str, Any]]) -> tuple[Insert | TextualSelect, Any]:
         """INSERT ... ON CONFLICT DO NOTHING RETURNING message_id: what comes back was ours.
 
-        Serialized (partitioned): a plain INSERT, of keys the lock and lookup found free.
+        Serialized (partitioned): an INSERT of the keys no partition holds, after ``lock``.
         """
-        return self._record, [dict(r) for r in rows]
+        listed = [dict(r) for r in rows]
+        if self.serialized:
+            return self._record, partitioned_statements.record_params(listed)
+        return self._record, listed
 
     @staticmethod
     def read_recorded(rows: Iterable[Any]) -> set[str]:
@@ -101,7 +94,11 @@ class Statements:
         lookup that follows, a new statement with a new snapshot under READ
         COMMITTED, then sees the holder's row.
         """
-        return self._lock, {"ns": CLAIM_LOCKS, "consumer": consumer, "keys": list(keys)}
+        return self._lock, {
+            "ns": partitioned_statements.CLAIM_LOCKS,
+            "consumer": consumer,
+            "keys": list(keys),
+        }
 
     @staticmethod
     def read_lock(rows: Any) -> None:
