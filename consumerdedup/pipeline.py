@@ -234,9 +234,9 @@ class Pipeline:
         try:
             inserted: set[str] = yield Execute(statement, params, Statements.read_recorded)
         except Exception as exc:
-            mismatch = Statements.mismatch(exc)
-            if mismatch is not None:
-                raise mismatch from exc
+            misconfigured = Statements.misconfigured(exc)
+            if misconfigured is not None:
+                raise misconfigured from exc
             raise
         return inserted
 

@@ -112,11 +112,21 @@ class Statements:
             )
 
     @staticmethod
-    def mismatch(error: BaseException) -> ConfigurationError | None:
-        """A ConfigurationError if ``error`` says the table is partitioned but Tables is not."""
-        if getattr(getattr(error, "orig", None), "sqlstate", None) != "42P10":
-            return None  # 42P10: no unique key matches the ON CONFLICT columns
-        return ConfigurationError(
-            "processed_events has no unique (consumer, message_id): if it is partitioned, "
-            "define the tables with Tables.define(..., partitioned=True)"
-        )
+    def misconfigured(error: BaseException) -> ConfigurationError | None:
+        """A ConfigurationError if recording failed because the table does not match ``Tables``.
+
+        Raised to the caller instead of failing every message in turn.
+        """
+        orig = getattr(error, "orig", None)
+        state = getattr(orig, "sqlstate", None)
+        if state == "42P10":  # no unique key matches the ON CONFLICT columns
+            return ConfigurationError(
+                "processed_events has no unique (consumer, message_id): if it is partitioned, "
+                "define the tables with Tables.define(..., partitioned=True)"
+            )
+        if state == "23514" and "no partition of relation" in str(orig):
+            return ConfigurationError(
+                f"processed_events has no partition for this row ({orig}): run install() "
+                "or `consumerdedup init-db --partitioned` to make the DEFAULT partition"
+            )
+        return None

@@ -337,3 +337,16 @@ def test_batch_deletes_across_partitions_miss_no_row(pg_partitioned: Database) -
     assert report.partitions == ()
     assert dict(report.deleted) == {"ledger": 25}
     assert survivors(db) == set()
+
+
+def test_a_partitioned_table_without_partitions_is_a_clear_error(pg_partitioned: Database) -> None:
+    """Created by a migration tool from the metadata alone: no DEFAULT, no days."""
+    db = pg_partitioned
+    with db.engine.begin() as conn:
+        for name in children(db):
+            conn.execute(text(f"DROP TABLE {db.schema}.{name}"))
+    handle = Deduplicator(db.engine, "c", tables=db.tables).handler(lambda m, s: None)
+    with pytest.raises(ConfigurationError, match="no partition"):
+        handle(Message(id="m-1", body=b"{}"))
+    install(db.engine, db.tables)
+    assert handle(Message(id="m-1", body=b"{}")) is Outcome.PROCESSED
