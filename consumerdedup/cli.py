@@ -127,11 +127,11 @@ def _missing(engine: Engine, tables: Tables) -> list[Table]:
 
 def cmd_init_db(args: argparse.Namespace) -> int:
     url, engine, tables = _setup(args)
-    if args.sql:
-        sys.stdout.write(ddl(engine, tables))
-        return 0
-    missing = _missing(engine, tables)
     try:
+        if args.sql:
+            sys.stdout.write(ddl(engine, tables))
+            return 0
+        missing = _missing(engine, tables)
         install(engine, tables)
     except ConfigurationError as error:  # --partitioned on SQLite or on a plain table
         raise CommandError(str(error)) from None

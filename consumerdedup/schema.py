@@ -225,6 +225,10 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
 
 def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
     """The CREATE statements ``install`` would run, for review or a migration tool."""
+    if tables.partitioned and engine.dialect.name != "postgresql":
+        raise ConfigurationError(
+            f"a partitioned processed_events needs PostgreSQL, not {engine.dialect.name}"
+        )
     statements: list[str] = []
     for schema in sorted({t.schema for t in tables.all if t.schema}):
         if engine.dialect.name == "postgresql":

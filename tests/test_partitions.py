@@ -321,6 +321,13 @@ def test_cli_init_db_partitioned_and_prune_reports_the_days(
             timeout=60,
         )
         assert again.returncode != 0 and "needs PostgreSQL" in again.stderr
+        sql = subprocess.run(
+            [*cli, "init-db", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--partitioned", "--sql"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert sql.returncode == 1 and "needs PostgreSQL" in sql.stderr and not sql.stdout
     finally:
         with db.engine.begin() as conn:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
