@@ -110,3 +110,52 @@ class LiveConsumer:
                 self.total += len(batch)
                 self.batches.append((time.monotonic(), len(batch)))
                 self._progress.notify_all()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_dropping_days_under_a_running_consumer_loses_nothing(pg_partitioned: Database) -> None:
+    """Drops take an exclusive lock on the table: consumers wait, none fails, no young row goes."""
+    from consumerdedup.partitions import DayPartitions
+
+    db = pg_partitioned
+    pe = db.name("processed_events")
+    ledger = db.create_ledger()
+    t0 = datetime.now(UTC).replace(microsecond=0)
+    first = (t0 - timedelta(days=20)).date()
+    with db.engine.begin() as conn:
+        assert len(DayPartitions(db.tables.processed_events).ensure(conn, first, 11)) == 11
+        conn.execute(
+            text(
+                f"INSERT INTO {pe} (consumer, message_id, processed_at, payload_hash, outcome) "
+                "SELECT 'ledger', 'old-' || i, CAST(:first AS timestamptz) + (i % 11) * "
+                "interval '1 day' + (i / 11) * interval '100 ms', repeat('a', 64), 'processed' "
+                "FROM generate_series(0, 219999) AS i"
+            ),
+            {"first": datetime.combine(first, datetime.min.time(), UTC)},
+        )
+        conn.execute(  # from exactly the cutoff to a day younger
+            text(
+                f"INSERT INTO {pe} (consumer, message_id, processed_at, payload_hash, outcome) "
+                "SELECT 'ledger', 'young-' || i, :t0 - interval '8 days' + i * interval '8 s', "
+                "repeat('a', 64), 'processed' FROM generate_series(0, 9999) AS i"
+            ),
+            {"t0": t0},
+        )
+
+    consumer = LiveConsumer(db, ledger)
+    consumer.start()
+    assert consumer.wait_for(50), f"the consumer did not start: {consumer.problems}"
+    report = Pruner(db.engine, timedelta(days=7), tables=db.tables, clock=lambda: t0).run_once()
+    assert consumer.wait_for(consumer.total + 50), "the consumer stalled after the drops"
+    consumer.stop()
+
+    assert consumer.problems == []
+    assert len(report.partitions) == 11  # every old day ends before the cutoff
+    assert dict(report.deleted) == {"ledger": 220_000}
+    with db.engine.connect() as conn:
+        young = conn.execute(text(f"SELECT count(*) FROM {pe} WHERE message_id LIKE 'young-%'"))
+        live = conn.execute(text(f"SELECT count(*) FROM {pe} WHERE message_id LIKE 'live-%'"))
+        effects = conn.execute(text(f"SELECT count(*) FROM {ledger}"))
+        assert young.scalar() == 10_000
+        assert live.scalar() == consumer.total == effects.scalar()
