@@ -227,6 +227,8 @@ class Pipeline:
         now = utcnow()
         rows = [self._row(item, now, None) for item in processed]
         rows += [self._row(item, now, item.refused) for item in failed]
+        if not rows:
+            return set()
         if self.statements.serialized:
             keys = [row["message_id"] for row in rows]
             yield Execute(*self.statements.lock(self.consumer, keys), Statements.read_lock)

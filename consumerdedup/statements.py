@@ -91,8 +91,8 @@ class Statements:
         """Serialized claims: lock (consumer, key) until the transaction ends.
 
         A twin's claim waits here until the holder commits or rolls back; the
-        lookup that follows, a new statement with a new snapshot under READ
-        COMMITTED, then sees the holder's row.
+        INSERT that follows, a new statement with a new snapshot under READ
+        COMMITTED, then sees the holder's row and skips the key.
         """
         return self._lock, {
             "ns": partitioned_statements.CLAIM_LOCKS,
