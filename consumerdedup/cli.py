@@ -25,6 +25,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from .errors import ConfigurationError, describe
+from .partitions import DayPartitions
 from .schema import Tables, ddl, install
 
 PROG = "consumerdedup"
@@ -215,8 +216,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         raise CommandError(f"table(s) not found: {_names(missing)}; run `{PROG} init-db` first")
     pe, ob = tables.processed_events, tables.outbox
     consumers, outbox = consumer_stats(engine, pe), outbox_stats(engine, ob)
+    days = _partition_stats(engine, tables)
     if args.json:
-        processed = {"table": pe.fullname, "consumers": consumers}
+        processed: dict[str, Any] = {"table": pe.fullname, "consumers": consumers}
+        if days is not None:
+            processed["partitioned"] = days
         report = {"processed_events": processed, "outbox": {"table": ob.fullname, **outbox}}
         print(json.dumps({"database": shown(url), **report}, indent=2))
         return 0
@@ -224,12 +228,30 @@ def cmd_stats(args: argparse.Namespace) -> int:
     headers = ["consumer", "processed", "failed", "oldest processed_at", "newest processed_at"]
     print(f"database: {shown(url)}\n\nprocessed events ({pe.fullname}):")
     print(_table(headers, rows) if rows else "(no records)")
+    if days is not None:
+        span = f", {days['oldest_from']} to {days['newest_to']}" if days["partitions"] else ""
+        print(
+            f"partitioned by day: {days['partitions']} partitions{span}; "
+            f"{days['rows_in_default']:,} rows in DEFAULT"
+            + (
+                " (days not made in time: keep the pruner scheduled)"
+                if days["rows_in_default"]
+                else ""
+            )
+        )
     age = outbox["oldest_unpublished_age_seconds"]
     counts = [outbox[k] for k in ("unpublished", "published", "failing")]
     print(f"\noutbox ({ob.fullname}):")
     headers = ["unpublished", "published", "failing (attempts > 0)", "oldest unpublished age"]
     print(_table(headers, [[*counts, None if age is None else _duration(age)]]))
     return 0
+
+
+def _partition_stats(engine: Engine, tables: Tables) -> dict[str, Any] | None:
+    if engine.dialect.name != "postgresql":
+        return None
+    with engine.connect() as conn:
+        return DayPartitions(tables.processed_events).summary(conn)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

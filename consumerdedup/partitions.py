@@ -124,6 +124,21 @@ class DayPartitions:
             found.append(RangePartition(name, lower, upper))
         return sorted(found, key=lambda p: (p.lower, p.upper))
 
+    def summary(self, conn: Connection) -> dict[str, Any] | None:
+        """For ``stats``: the range partitions and the DEFAULT partition's rows; None if
+        the table is not partitioned. Rows in DEFAULT mean days were not made in time."""
+        if not self.is_partitioned(conn):
+            return None
+        ranges = self.ranges(conn)
+        default = text(f"SELECT count(*) FROM {self.parent} WHERE tableoid = to_regclass(:d)")
+        in_default = conn.execute(default, {"d": self.qualified(self.default_name)}).scalar()
+        return {
+            "partitions": len(ranges),
+            "oldest_from": ranges[0].lower.isoformat() if ranges else None,
+            "newest_to": ranges[-1].upper.isoformat() if ranges else None,
+            "rows_in_default": int(in_default or 0),
+        }
+
     def count(self, conn: Connection, partition: RangePartition) -> Counter[str]:
         statement = text(
             f"SELECT consumer, count(*) FROM {self.qualified(partition.name)} GROUP BY consumer"

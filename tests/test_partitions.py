@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -357,3 +358,20 @@ def test_a_partitioned_table_without_partitions_is_a_clear_error(pg_partitioned:
         handle(Message(id="m-1", body=b"{}"))
     install(db.engine, db.tables)
     assert handle(Message(id="m-1", body=b"{}")) is Outcome.PROCESSED
+
+
+def test_stats_shows_the_days_and_what_fell_into_default(pg_partitioned: Database) -> None:
+    db = pg_partitioned
+    add_events(db, [("ledger", "stray", NOW - 300 * DAY)])  # long before any day partition
+    names = ["--processed-events-table", db.tables.processed_events.fullname]
+    names += ["--outbox-table", db.tables.outbox.fullname]
+    cli = [sys.executable, "-m", "consumerdedup", "--db", db.url, *names]
+    done = subprocess.run([*cli, "stats"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"partitioned by day: {AHEAD + 2} partitions" in done.stdout
+    assert "1 rows in DEFAULT (days not made in time" in done.stdout
+    done = subprocess.run([*cli, "stats", "--json"], capture_output=True, text=True, timeout=60)
+    days = json.loads(done.stdout)["processed_events"]["partitioned"]
+    assert days["partitions"] == AHEAD + 2 and days["rows_in_default"] == 1
+    first = today() - DAY
+    assert datetime.fromisoformat(days["oldest_from"]) == datetime.combine(first, time.min, UTC)
