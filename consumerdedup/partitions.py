@@ -5,8 +5,13 @@ fails for want of a day's partition, and one partition per UTC day, made
 ``AHEAD`` days ahead by ``install`` and by every pruner round. A day whose
 rows already sit in the DEFAULT partition cannot get its own partition any
 more (PostgreSQL refuses): it is skipped, and its rows are batch-deleted
-like those of an unpartitioned table. Partition DDL waits at most
-``LOCK_TIMEOUT`` for its lock, so it never stalls consumers queued behind it.
+like those of an unpartitioned table.
+
+Making or dropping a partition locks the whole table exclusively, and
+consumers queue behind the DDL while it waits for that lock. So the DDL
+waits at most ``LOCK_TIMEOUT`` and is tried again next round; making a day
+also scans the DEFAULT partition (PostgreSQL checks it holds none of the
+day's rows), bounded by ``SCAN_TIMEOUT`` for when DEFAULT has filled up.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -27,7 +34,9 @@ logger = logging.getLogger("consumerdedup.partitions")
 DAY = timedelta(days=1)
 AHEAD = 7
 """Days of partitions made ahead; a daily pruner keeps the horizon moving."""
-LOCK_TIMEOUT = "2s"
+LOCK_TIMEOUT = "500ms"
+SCAN_TIMEOUT = "2s"
+_DDL_LIMITS = {"lock_timeout": LOCK_TIMEOUT}
 _BOUNDS = re.compile(r"FROM \('([^']+)'\) TO \('([^']+)'\)")
 
 
@@ -86,8 +95,10 @@ class DayPartitions:
             name = self.name_for(day)
             lower = datetime.combine(day, datetime.min.time(), UTC)
             try:
-                with conn.begin_nested():
-                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+                with (
+                    conn.begin_nested(),
+                    _local(conn, **_DDL_LIMITS, statement_timeout=SCAN_TIMEOUT),
+                ):
                     conn.execute(
                         text(
                             f"CREATE TABLE {self.qualified(name)} PARTITION OF {self.parent} "
@@ -109,8 +120,7 @@ class DayPartitions:
             "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
             "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(:t)"
         )
-        with conn.begin_nested():
-            conn.execute(text("SET LOCAL TimeZone = 'UTC'"))
+        with _local(conn, TimeZone="UTC", DateStyle="ISO"):
             rows = conn.execute(statement, {"t": self.parent}).all()
         found: list[RangePartition] = []
         for name, bound in rows:
@@ -130,8 +140,11 @@ class DayPartitions:
         if not self.is_partitioned(conn):
             return None
         ranges = self.ranges(conn)
-        default = text(f"SELECT count(*) FROM {self.parent} WHERE tableoid = to_regclass(:d)")
-        in_default = conn.execute(default, {"d": self.qualified(self.default_name)}).scalar()
+        exists = text("SELECT to_regclass(:d) IS NOT NULL")
+        in_default: Any = 0
+        if conn.execute(exists, {"d": self.qualified(self.default_name)}).scalar():
+            default = text(f"SELECT count(*) FROM {self.qualified(self.default_name)}")
+            in_default = conn.execute(default).scalar()
         return {
             "partitions": len(ranges),
             "oldest_from": ranges[0].lower.isoformat() if ranges else None,
@@ -146,8 +159,24 @@ class DayPartitions:
         return Counter({consumer: int(n) for consumer, n in conn.execute(statement)})
 
     def drop(self, conn: Connection, partition: RangePartition) -> None:
-        conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
-        conn.execute(text(f"DROP TABLE {self.qualified(partition.name)}"))
+        with _local(conn, **_DDL_LIMITS):
+            conn.execute(text(f"DROP TABLE {self.qualified(partition.name)}"))
+
+
+@contextmanager
+def _local(conn: Connection, **settings: str) -> Iterator[None]:
+    """Settings for the statements inside only; the caller's transaction keeps its own.
+
+    Restored on success; after an error, the rollback that must follow undoes them.
+    """
+    names = list(settings)
+    params = {f"n{i}": name for i, name in enumerate(names)}
+    read = "SELECT " + ", ".join(f"current_setting(:n{i})" for i in range(len(names)))
+    write = "SELECT " + ", ".join(f"set_config(:n{i}, :v{i}, true)" for i in range(len(names)))
+    saved = conn.execute(text(read), params).one()
+    conn.execute(text(write), {**params, **{f"v{i}": settings[n] for i, n in enumerate(names)}})
+    yield
+    conn.execute(text(write), {**params, **{f"v{i}": v for i, v in enumerate(saved)}})
 
 
 def _quote(name: str) -> str:

@@ -375,3 +375,20 @@ def test_stats_shows_the_days_and_what_fell_into_default(pg_partitioned: Databas
     assert days["partitions"] == AHEAD + 2 and days["rows_in_default"] == 1
     first = today() - DAY
     assert datetime.fromisoformat(days["oldest_from"]) == datetime.combine(first, time.min, UTC)
+
+
+def test_install_in_your_transaction_leaves_its_settings_alone(pg: Database) -> None:
+    tables = Tables.define(f"{pg.schema}.by_day", f"{pg.schema}.by_day_out", partitioned=True)
+    settings = "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
+    settings += "current_setting('TimeZone')"
+    with pg.engine.begin() as conn:
+        conn.execute(text("SET LOCAL lock_timeout = '7s'"))
+        conn.execute(text("SET LOCAL TimeZone = 'Asia/Tokyo'"))
+        before = conn.execute(text(settings)).one()
+        install(conn, tables)
+        assert conn.execute(text(settings)).one() == before == ("7s", "0", "Asia/Tokyo")
+    with pg.engine.connect() as conn:  # and the bounds read right in any time zone
+        conn.execute(text("SET TimeZone = 'America/Los_Angeles'"))
+        days = DayPartitions(tables.processed_events).ranges(conn)
+        assert [d.lower.date() for d in days] == [today() + timedelta(days=k) for k in range(-1, 8)]
+        assert all(d.lower.utcoffset() == timedelta(0) and d.lower.hour == 0 for d in days)
