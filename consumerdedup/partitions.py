@@ -113,6 +113,14 @@ class DayPartitions:
             made.append(name)
         return made
 
+    def make_ahead(self, conn: Connection, now: datetime) -> list[str]:
+        """The days from yesterday (clock skew) to ``AHEAD`` days after ``now``'s UTC day."""
+        return self.ensure(conn, now.astimezone(UTC).date() - DAY, AHEAD + 2)
+
+    def expired(self, conn: Connection, threshold: datetime) -> list[RangePartition]:
+        """The partitions whose every row is older than ``threshold``."""
+        return [p for p in self.ranges(conn) if p.upper <= threshold]
+
     def ranges(self, conn: Connection) -> list[RangePartition]:
         """The partitions with a finite range, oldest first (not DEFAULT, not MINVALUE ones)."""
         # Bounds print in the session's time zone: read them in UTC, whatever the server's.

@@ -5,10 +5,10 @@ older than now - (retention + buffer) for its consumer; a row exactly at that
 cutoff is kept. A range-partitioned processed_events loses whole partitions
 first: those whose every row is past every consumer's cutoff. Published
 outbox rows go once older than ``outbox_keep``; unpublished ones are never
-touched. Each batch (``batch_size`` rows) is its
-own short transaction. On PostgreSQL one pruner works at a time per table (a
-session advisory lock held for the round; the others skip the round and say
-so); on SQLite the database's write lock serializes the batches instead.
+touched. Each batch (``batch_size`` rows) is its own short transaction. On
+PostgreSQL one pruner works at a time per table (a session advisory lock
+held for the round; the others skip the round and say so); on SQLite the
+database's write lock serializes the batches instead.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sqlalchemy.exc import DBAPIError
 
 from . import sqlite
 from .errors import ConfigurationError, describe
-from .partitions import AHEAD, DAY, DayPartitions
+from .partitions import DayPartitions
 from .prune_statements import EARLIEST, PruneStatements
 from .runner import StopSwitch
 from .schema import DEFAULT, Tables
@@ -286,7 +286,7 @@ class Pruner(StopSwitch):
             return ()
         if not self.partitions.is_partitioned(conn):
             return ()
-        return tuple(p.name for p in self.partitions.ranges(conn) if p.upper <= threshold)
+        return tuple(p.name for p in self.partitions.expired(conn, threshold))
 
     def _drop_partitions(
         self,
@@ -310,12 +310,12 @@ class Pruner(StopSwitch):
         with conn.begin():
             if not self.partitions.is_partitioned(conn):
                 return deleted, dropped
-            self.partitions.ensure(conn, now.date() - DAY, AHEAD + 2)
+            self.partitions.make_ahead(conn, now)
         threshold = self._drop_threshold(cutoffs, others)
         if threshold is None:
             return deleted, dropped
         with conn.begin():
-            expired = [p for p in self.partitions.ranges(conn) if p.upper <= threshold]
+            expired = self.partitions.expired(conn, threshold)
         table = self.tables.processed_events.fullname
         for partition in expired:
             if self.stopping:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -32,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from .errors import ConfigurationError
-from .partitions import AHEAD, DAY, DayPartitions, today
+from .partitions import AHEAD, DayPartitions
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -220,7 +221,7 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
                 "move its rows to a partitioned table, or define Tables without partitioned=True"
             )
         partitions.create_default(bind)
-        partitions.ensure(bind, today() - DAY, AHEAD + 2)
+        partitions.make_ahead(bind, datetime.now(UTC))
 
 
 def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
