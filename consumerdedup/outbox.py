@@ -9,18 +9,15 @@ import uuid
 from collections.abc import Awaitable, Mapping
 from typing import Any, overload
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import String, Table, bindparam, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from . import locks
 from .errors import ConfigurationError
 from .runner import ID_HEADER
 from .schema import DEFAULT, ID_LENGTH, Tables
 from .statements import utcnow
-
-PRODUCER_LOCKS = 0x0C0D
-"""Advisory-lock namespace (first int) of Outbox.add's per-key lock."""
-
 
 _clock = threading.Lock()
 _last = [0, 0]  # millisecond, counter
@@ -46,14 +43,16 @@ class Outbox:
     """Adds outgoing events to the outbox table inside the caller's transaction.
 
     Per-key order: on PostgreSQL, ``add`` takes a transaction-scoped advisory
-    lock on the key, so two transactions adding events with the same key
-    commit in the order their rows were numbered. The relay publishes a key's
-    events in that order; events without a key carry no order promise.
+    lock on the key in this outbox table, so two transactions adding events
+    with the same key commit in the order their rows were numbered. The relay
+    publishes a key's events in that order; events without a key carry no
+    order promise.
     """
 
     def __init__(self, tables: Tables = DEFAULT) -> None:
         self.tables = tables
         self._insert = insert(tables.outbox)
+        self._lock = _key_lock(tables.outbox)
 
     @overload
     def add(
@@ -86,13 +85,13 @@ class Outbox:
         if isinstance(session, AsyncSession):
             return self._add_async(session, row)
         if key is not None and _dialect(session) == "postgresql":
-            session.execute(_key_lock(key))
+            session.execute(self._lock, {"key": key})
         session.execute(self._insert, row)
         return str(row["event_id"])
 
     async def _add_async(self, session: AsyncSession, row: dict[str, Any]) -> str:
         if row["key"] is not None and session.get_bind().dialect.name == "postgresql":
-            await session.execute(_key_lock(row["key"]))
+            await session.execute(self._lock, {"key": row["key"]})
         await session.execute(self._insert, row)
         return str(row["event_id"])
 
@@ -122,8 +121,9 @@ class Outbox:
         }
 
 
-def _key_lock(key: str) -> Any:
-    return select(func.pg_advisory_xact_lock(PRODUCER_LOCKS, func.hashtext(key)))
+def _key_lock(table: Table) -> Any:
+    key = func.hashtext(bindparam("key", type_=String()))
+    return select(func.pg_advisory_xact_lock(locks.space(locks.PRODUCER, table), key))
 
 
 def _dialect(session: Session) -> str:

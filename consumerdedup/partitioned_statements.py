@@ -15,15 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import DateTime, Integer, String, Table, TextualSelect, bindparam, text
-from sqlalchemy.dialects import postgresql
 
-CLAIM_LOCKS = 0x0C10
-"""Advisory-lock namespace of claims (first int of the key)."""
-
-
-def _name(table: Table) -> str:
-    dialect: Any = postgresql
-    return str(dialect.dialect().identifier_preparer.format_table(table))
+from . import locks
 
 
 def lookup(table: Table) -> TextualSelect:
@@ -31,7 +24,7 @@ def lookup(table: Table) -> TextualSelect:
         text(
             "SELECT k.key AS message_id, r.payload_hash, r.outcome, r.error "
             "FROM unnest(CAST(:keys AS text[])) AS k(key) CROSS JOIN LATERAL "
-            f"(SELECT payload_hash, outcome, error FROM {_name(table)} "
+            f"(SELECT payload_hash, outcome, error FROM {locks.table_name(table)} "
             "WHERE consumer = :consumer AND message_id = k.key LIMIT 1) AS r"
         )
         .bindparams(bindparam("consumer", type_=String()))
@@ -39,8 +32,9 @@ def lookup(table: Table) -> TextualSelect:
     )
 
 
-def lock() -> TextualSelect:
-    """Locks in hash order, so two batches sharing keys cannot deadlock.
+def lock(table: Table) -> TextualSelect:
+    """Locks (consumer, key) on ``table``, in hash order so two batches sharing keys cannot
+    deadlock.
 
     The ordered subquery is not flattened, so the locks are taken in its order;
     the isolation level comes back so the caller can refuse anything but READ COMMITTED.
@@ -48,18 +42,18 @@ def lock() -> TextualSelect:
     return (
         text(
             "SELECT current_setting('transaction_isolation') AS isolation, count(*) AS locked "
-            "FROM (SELECT pg_advisory_xact_lock(:ns, h) FROM (SELECT DISTINCT "
+            f"FROM (SELECT pg_advisory_xact_lock({locks.SPACE_SQL}, h) FROM (SELECT DISTINCT "
             "hashtext(:consumer || '/' || k) AS h FROM unnest(CAST(:keys AS text[])) AS k "
-            "ORDER BY h) AS hashes) AS locks"
+            "ORDER BY h) AS hashes) AS held"
         )
-        .bindparams(bindparam("consumer", type_=String()))
+        .bindparams(bindparam("consumer", type_=String()), **locks.space_params(locks.CLAIM, table))
         .columns(isolation=String(), locked=Integer())
     )
 
 
 def record(table: Table) -> TextualSelect:
     """INSERT the rows whose key no partition holds; RETURNING the keys inserted."""
-    name = _name(table)
+    name = locks.table_name(table)
     return (
         text(
             f"INSERT INTO {name} "

@@ -27,10 +27,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from . import locks
 from .schema import Tables
 
-PRUNER_LOCK = 0x0C0F
-"""Advisory-lock namespace (first int) of the pruner; the second int hashes the table name."""
 EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
 
 
@@ -64,7 +63,7 @@ class PruneStatements:
         self.others = others
         prepare = _preparer(dialect)
         pe, ob = tables.processed_events, tables.outbox
-        self.lock_name = pe.fullname
+        self._lock_params = locks.space_params(locks.PRUNER, pe)
         pe_name, ob_name = prepare.format_table(pe), prepare.format_table(ob)
         stamp = DateTime(timezone=True)
         self._binds: list[BindParameter[Any]] = [
@@ -170,12 +169,13 @@ class PruneStatements:
         return int(conn.execute(self._outbox_count, {"outbox_cutoff": cutoff}).scalar_one())
 
     def try_lock(self, conn: Connection) -> bool:
-        statement = text("SELECT pg_try_advisory_lock(:ns, hashtext(:name))")
-        return bool(conn.execute(statement, {"ns": PRUNER_LOCK, "name": self.lock_name}).scalar())
+        """The session lock that keeps other pruners of this processed_events off the round."""
+        statement = text(f"SELECT pg_try_advisory_lock({locks.SPACE_SQL}, 0)")
+        return bool(conn.execute(statement, self._lock_params).scalar())
 
     def unlock(self, conn: Connection) -> None:
-        statement = text("SELECT pg_advisory_unlock(:ns, hashtext(:name))")
-        conn.execute(statement, {"ns": PRUNER_LOCK, "name": self.lock_name})
+        statement = text(f"SELECT pg_advisory_unlock({locks.SPACE_SQL}, 0)")
+        conn.execute(statement, self._lock_params)
 
     def has_records(self, conn: Connection, consumer: str) -> bool:
         return conn.execute(self._consumer_rows, {"consumer": consumer}).first() is not None

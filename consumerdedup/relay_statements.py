@@ -22,10 +22,9 @@ from sqlalchemy import (
     update,
 )
 
+from . import locks
 from .schema import Tables
 
-RELAY_LOCKS = 0x0C0E
-"""Advisory-lock namespace (first int) of the relays' per-key locks."""
 WINDOW = 4
 """Rows scanned per round, as a multiple of the batch size."""
 LOCK_TRIES = 3
@@ -81,8 +80,9 @@ class RelayStatements:
                 .table_valued("k")
                 .render_derived(name="keys")
             )
+            space = locks.space(locks.RELAY, ob)
             self._lock_keys = select(keys.c.k).where(
-                func.pg_try_advisory_xact_lock(RELAY_LOCKS, func.hashtext(keys.c.k))
+                func.pg_try_advisory_xact_lock(space, func.hashtext(keys.c.k))
             )
         self._published = (
             update(ob).where(self._in_ids()).values(published_at=bindparam("now"), last_error=None)

@@ -62,7 +62,7 @@ class Statements:
                 raise ConfigurationError("a partitioned processed_events needs PostgreSQL")
             self._lookup = partitioned_statements.lookup(pe)
             self._record = partitioned_statements.record(pe)
-        self._lock = partitioned_statements.lock()
+        self._lock = partitioned_statements.lock(pe)
 
     def lookup(
         self, consumer: str, keys: Sequence[str]
@@ -88,17 +88,13 @@ class Statements:
         return {key for (key,) in rows}
 
     def lock(self, consumer: str, keys: Sequence[str]) -> tuple[TextualSelect, dict[str, Any]]:
-        """Serialized claims: lock (consumer, key) until the transaction ends.
+        """Serialized claims: lock (consumer, key) on this table until the transaction ends.
 
         A twin's claim waits here until the holder commits or rolls back; the
         INSERT that follows, a new statement with a new snapshot under READ
         COMMITTED, then sees the holder's row and skips the key.
         """
-        return self._lock, {
-            "ns": partitioned_statements.CLAIM_LOCKS,
-            "consumer": consumer,
-            "keys": list(keys),
-        }
+        return self._lock, {"consumer": consumer, "keys": list(keys)}
 
     @staticmethod
     def read_lock(rows: Any) -> None:

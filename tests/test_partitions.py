@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, insert, text
 
-from consumerdedup import ConfigurationError, Deduplicator, Message, Outcome, Tables, install
+from consumerdedup import ConfigurationError, Deduplicator, Message, Outcome, Tables, install, locks
 from consumerdedup.partitions import AHEAD, DayPartitions, today
 from consumerdedup.schema import ddl
 from tests.conftest import Database
@@ -121,12 +121,14 @@ def test_repeatable_read_is_refused_before_anything_is_recorded(pg_partitioned: 
 def test_a_claim_holds_one_lock_per_distinct_key_until_commit(pg_partitioned: Database) -> None:
     db = pg_partitioned
     held: list[int] = []
+    space = locks.space_params(locks.CLAIM, db.tables.processed_events)
+    claim_locks = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+        f"AND CAST(classid AS integer) = {locks.SPACE_SQL}"
+    )
 
     def handler(message: Message, session: object) -> None:
-        query = text(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
-            "AND pid = pg_backend_pid() AND classid = 3088"  # CLAIM_LOCKS
-        )
+        query = text(f"{claim_locks} AND pid = pg_backend_pid()").bindparams(**space)
         held.append(int(session.execute(query).scalar()))  # type: ignore[attr-defined]
 
     handle = Deduplicator(db.engine, "c", tables=db.tables).handler(handler)
@@ -135,8 +137,7 @@ def test_a_claim_holds_one_lock_per_distinct_key_until_commit(pg_partitioned: Da
     assert outcomes == [Outcome.PROCESSED] * 2 + [Outcome.DUPLICATE, Outcome.PROCESSED]
     assert held == [3, 3, 3]
     with db.engine.connect() as conn:  # released at commit
-        left = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 3088"
-        assert conn.execute(text(left)).scalar() == 0
+        assert conn.execute(text(claim_locks), space).scalar() == 0
 
 
 # --- pruning by dropping days ----------------------------------------------------------------

@@ -25,7 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy import insert, select, text
 from sqlalchemy.engine import make_url
 
-from consumerdedup.prune_statements import PRUNER_LOCK
+from consumerdedup.prune_statements import PruneStatements
 from tests.conftest import Database
 from tests.kafka_service import KafkaService, kafka_fixture  # noqa: F401
 from tests.rabbitmq_service import amqp_url_fixture  # noqa: F401
@@ -185,9 +185,7 @@ def test_a_round_is_skipped_while_another_pruner_holds_the_lock(pg: Database) ->
     fill(pg)
     name = pg.tables.processed_events.fullname
     with pg.engine.connect() as holder:
-        holder.execute(
-            text("SELECT pg_advisory_lock(:ns, hashtext(:n))"), {"ns": PRUNER_LOCK, "n": name}
-        )
+        assert PruneStatements(pg.tables, "postgresql", [], True).try_lock(holder)
         run = prune(pg, "--retention", "7d")
         holder.execute(text("SELECT pg_advisory_unlock_all()"))
     assert run.code == 0, run.err

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, insert, select, text
 
 from consumerdedup import ConfigurationError, Pruner
-from consumerdedup.prune_statements import PRUNER_LOCK
+from consumerdedup.prune_statements import PruneStatements
 from consumerdedup.pruner import PruneProgress, PruneReport
 from consumerdedup.windows import UnknownConsumer
 from tests.conftest import Database
@@ -360,12 +360,8 @@ def test_the_lock_is_released_when_a_round_fails(pg: Database) -> None:
         conn.execute(text(f"DROP TABLE {pg.name('outbox')} CASCADE"))
     with pytest.raises(Exception, match="outbox"):
         pruner(pg).run_once()
-    name = pg.tables.processed_events.fullname
     with pg.engine.connect() as conn:
-        taken = conn.execute(
-            text("SELECT pg_try_advisory_lock(:ns, hashtext(:name))"),
-            {"ns": PRUNER_LOCK, "name": name},
-        ).scalar()
+        taken = PruneStatements(pg.tables, "postgresql", [], True).try_lock(conn)
         conn.execute(text("SELECT pg_advisory_unlock_all()"))
     assert taken is True
     assert survivors(pg) == set()  # the processed_events batches had committed
