@@ -51,18 +51,18 @@ class RelayStatements:
             .cte("blocked")
         )
         held_back = exists().where(blocked.c.key == ob.c.key, blocked.c.from_id < ob.c.id)
-        self._candidates = (
-            select(ob.c.id, ob.c.key)
-            .where(
-                ob.c.published_at.is_(None),
-                ~cannot_go,
-                # A fresh row may always go: its available_at is only the writer's clock.
-                or_(ob.c.attempts == 0, ob.c.available_at <= bindparam("now")),
-                ~held_back,
-            )
-            .order_by(ob.c.id)
-            .limit(bindparam("limit"))
+        may_go = (
+            ob.c.published_at.is_(None),
+            ~cannot_go,
+            # A fresh row may always go: its available_at is only the writer's clock.
+            or_(ob.c.attempts == 0, ob.c.available_at <= bindparam("now")),
+            ~held_back,
         )
+        self._candidates = (
+            select(ob.c.id, ob.c.key).where(*may_go).order_by(ob.c.id).limit(bindparam("limit"))
+        )
+        # Asked again once the rows' keys are locked: between the scan and the lock another
+        # relay may have published, backed off or parked a row, or held its key back.
         rows = select(
             ob.c.id,
             ob.c.event_id,
@@ -71,10 +71,10 @@ class RelayStatements:
             ob.c.body,
             ob.c.headers,
             ob.c.attempts,
-        ).where(self._in_ids(), ob.c.published_at.is_(None))
+        ).where(self._in_ids(), *may_go)
         self._rows = rows.order_by(ob.c.id)
         if self.postgres:
-            self._rows = self._rows.with_for_update(skip_locked=True)
+            self._rows = self._rows.with_for_update(skip_locked=True, of=ob)
             keys = (
                 func.unnest(bindparam("keys", type_=ARRAY(Text)))
                 .table_valued("k")
@@ -122,7 +122,10 @@ class RelayStatements:
         if self.postgres:
             candidates = self._lock_keys_for(conn, candidates, limit)
         ids = [row.id for row in candidates][:limit]
-        return list(conn.execute(self._rows, {"ids": ids}).all()) if ids else []
+        if not ids:
+            return []
+        params = {"ids": ids, "now": now, "max_attempts": max_attempts}
+        return list(conn.execute(self._rows, params).all())
 
     def _lock_keys_for(self, conn: Connection, candidates: list[Any], limit: int) -> list[Any]:
         """Lock keys in order of their oldest row until they cover ``limit`` rows."""

@@ -1,0 +1,102 @@
+"""Two relays on one outbox, interleaved on purpose: a row one relay has just put into
+backoff or parked is not published by the other, whose scan saw it a moment earlier.
+
+Relay A reads its candidates; before it locks them, relay B runs a whole round
+that fails those rows and commits. A then locks the keys and re-reads the rows:
+what it publishes must follow what B decided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy.orm import Session
+
+from consumerdedup import Outbox, OutboxRelay, RelayConfig
+from consumerdedup.testing import MemoryBroker
+from tests.conftest import Database
+
+pytestmark = pytest.mark.postgres
+
+LATER = RelayConfig(initial_backoff=timedelta(hours=1), max_backoff=timedelta(hours=1))
+
+
+class Refusing:
+    """A publisher whose broker refuses everything (it is not away: attempts are charged)."""
+
+    def __init__(self) -> None:
+        self.calls: list[bytes] = []
+
+    def publish(self, destination: str, body: bytes, key: Any = None, headers: Any = None) -> None:
+        self.calls.append(body)
+        raise ValueError(f"refused {body.decode()}")
+
+
+@pytest.fixture
+def engine_a(pg: Database) -> Iterator[Engine]:
+    """Relay A's own engine, so a hook on it does not fire for relay B."""
+    engine = create_engine(pg.url)
+    yield engine
+    engine.dispose()
+
+
+def run_first_when_a_locks(engine: Engine, round_b: Any) -> None:
+    """Run ``round_b`` once, on its own connection, just before relay A locks what it scanned
+    (the key locks, or the row locks when no row has a key)."""
+    fired: list[bool] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def interleave(*args: Any) -> None:
+        statement = args[2]
+        locking = "pg_try_advisory_xact_lock" in statement or "FOR UPDATE" in statement
+        if locking and not fired:
+            fired.append(True)
+            round_b()
+
+
+def add(db: Database, events: list[tuple[str, str | None]]) -> None:
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session, session.begin():
+        for body, key in events:
+            outbox.add(session, "orders", body.encode(), key=key)
+
+
+def rows(db: Database) -> dict[bytes, Any]:
+    ob = db.tables.outbox
+    with db.engine.connect() as conn:
+        return {row.body: row for row in conn.execute(select(ob).order_by(ob.c.id))}
+
+
+def test_a_row_another_relay_just_backed_off_is_not_published_before_its_time(
+    pg: Database, engine_a: Engine
+) -> None:
+    add(pg, [("k1", "k"), ("k2", "k"), ("loose", None)])
+    relay_b = OutboxRelay(pg.engine, Refusing(), tables=pg.tables, config=LATER)
+    run_first_when_a_locks(engine_a, relay_b.run_once)
+    broker = MemoryBroker()
+    relay_a = OutboxRelay(engine_a, broker, tables=pg.tables, config=LATER)
+    assert relay_a.run_once() == 0
+    assert broker.messages("orders") == []  # k1 and loose back off for an hour; k2 waits on k1
+    after = rows(pg)
+    assert (after[b"k1"].attempts, after[b"k2"].attempts, after[b"loose"].attempts) == (1, 0, 1)
+    assert all(row.published_at is None for row in after.values())
+
+
+def test_a_row_another_relay_just_parked_is_not_tried_again(pg: Database, engine_a: Engine) -> None:
+    once = RelayConfig(max_attempts=1, initial_backoff=timedelta(0), max_backoff=timedelta(0))
+    add(pg, [("k1", "k"), ("loose", None)])
+    relay_b = OutboxRelay(pg.engine, Refusing(), tables=pg.tables, config=once)
+    run_first_when_a_locks(engine_a, relay_b.run_once)
+    publisher_a = Refusing()
+    relay_a = OutboxRelay(engine_a, publisher_a, tables=pg.tables, config=once)
+    assert relay_a.run_once() == 0
+    assert publisher_a.calls == []
+    assert {row.attempts for row in rows(pg).values()} == {1}  # never past max_attempts
+    assert sorted(error or "" for _, error in relay_a.parked()) == [
+        "ValueError: refused k1",
+        "ValueError: refused loose",
+    ]
