@@ -3,6 +3,7 @@
 The window comes from ``--retention``, or from the broker (``--kafka`` with
 ``--topics``: retention.ms; ``--rabbitmq`` with ``--queues``: the message
 TTL); a broker that does not say is a usage error asking for --retention.
+A broker's window applies only to the consumers named with ``--consumer``.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # argparse takes "-1d" for an option and says only "expected one argument"; as a value
     # it reaches durations.parse, which says it is negative.
     if hasattr(parser, "_negative_number_matcher"):
-        parser._negative_number_matcher = re.compile(r"^-\d[\dwdhms.]*$")
+        parser._negative_number_matcher = re.compile(r"^-\d[\dA-Za-z.]*$")
     source = parser.add_argument_group("retention (one of)").add_mutually_exclusive_group(
         required=True
     )
     source.add_argument("--retention", metavar="DURATION", help="e.g. 7d, 36h, 90m")
-    source.add_argument("--kafka", metavar="BOOTSTRAP", help="read retention.ms of --topics")
-    source.add_argument("--rabbitmq", metavar="URL", help="read the message TTL of --queues")
+    source.add_argument(
+        "--kafka", metavar="BOOTSTRAP", help="read retention.ms of --topics (for --consumer)"
+    )
+    source.add_argument(
+        "--rabbitmq", metavar="URL", help="read the message TTL of --queues (for --consumer)"
+    )
     parser.add_argument("--topics", metavar="A,B", help="with --kafka: the consumed topics")
     parser.add_argument("--queues", metavar="A,B", help="with --rabbitmq: the consumed queues")
     parser.add_argument(
@@ -120,6 +125,12 @@ def _broker_retention(args: argparse.Namespace) -> BrokerRetention | None:
     if not (args.kafka or args.rabbitmq):
         return None
     option = "--kafka" if args.kafka else "--rabbitmq"
+    if not args.consumer:  # asked before the broker: the answer could not be used anyway
+        names = ", ".join(n.strip() for n in (args.topics or args.queues).split(","))
+        raise UsageError(
+            f"{option}: the window read applies only to the consumers of {names}; "
+            "name them with --consumer NAME (repeatable)"
+        )
     if args.rabbitmq:
         password = urlsplit(args.rabbitmq).password
         _SECRETS.update([password] if password else [])
@@ -176,18 +187,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise CommandError(f"table(s) not found: {_names(missing)}; run `consumerdedup init-db`")
     broker = _broker_retention(args)
     if broker is not None:
-        retention = broker.window
         print(f"retention from {broker.broker}: {broker.describe()}")
-        if retention is None:
+        if broker.window is None:
             kept = ", ".join(s.source for s in broker.forever)
-            whom = ", ".join(args.consumer) if args.consumer else "every consumer"
-            whom += " (but those given a --window)" if windows and not args.consumer else ""
+            whom = ", ".join(args.consumer)
             print(f"{kept} keep(s) records forever: the records of {whom} are never pruned")
     consumers = [*args.consumer, *windows] if args.consumer else None
     try:
         pruner = Pruner(
             engine,
-            retention,
+            broker or retention,
             buffer,
             windows=windows,
             consumers=consumers,

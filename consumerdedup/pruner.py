@@ -31,7 +31,7 @@ from .prune_statements import EARLIEST, PruneStatements
 from .runner import StopSwitch
 from .schema import DEFAULT, Tables
 from .statements import SUPPORTED_DIALECTS, utcnow
-from .windows import UnknownConsumer, check_window, default_buffer
+from .windows import UnknownConsumer, Window, check_window, default_buffer, plain, scoped
 
 logger = logging.getLogger("consumerdedup.pruner")
 
@@ -88,6 +88,9 @@ class Pruner(StopSwitch):
     ``windows`` (a mapping of consumer name to timedelta, or None to keep that
     consumer's records forever); ``retention=None`` prunes only the consumers
     in ``windows``. ``consumers`` restricts the round to the consumers named.
+    A ``BrokerRetention`` (``kafka_retention``, ``rabbitmq_retention``) as
+    ``retention`` needs ``consumers``: it is only the window of its topics or
+    queues; as a value in ``windows``, it is that consumer's.
     ``buffer`` defaults to max(1 day, 10% of each consumer's retention).
     Each batch of ``batch_size`` rows is a transaction; ``batch_pause`` between
     batches leaves more of the database to the consumers on a busy server.
@@ -96,10 +99,10 @@ class Pruner(StopSwitch):
     def __init__(
         self,
         engine: Engine,
-        retention: timedelta | None,
+        retention: Window,
         buffer: timedelta | None = None,
         *,
-        windows: Mapping[str, timedelta | None] | None = None,
+        windows: Mapping[str, Window] | None = None,
         consumers: Iterable[str] | None = None,
         outbox_keep: timedelta | None = DEFAULT_OUTBOX_KEEP,
         tables: Tables = DEFAULT,
@@ -112,11 +115,12 @@ class Pruner(StopSwitch):
         super().__init__()
         if engine.dialect.name not in SUPPORTED_DIALECTS:
             raise ConfigurationError(f"unsupported database {engine.dialect.name!r}")
-        retention = check_window(retention, "retention")
+        common = check_window(scoped(retention, consumers), "retention")
         buffer = check_window(buffer, "buffer")  # None: the default, per window
-        windows = dict(windows or {})
-        for name, window in windows.items():
-            windows[name] = check_window(window, f"window of consumer {_name(name)!r}")
+        own = {
+            name: check_window(plain(window), f"window of consumer {_name(name)!r}")
+            for name, window in (windows or {}).items()
+        }
         selected = None if consumers is None else sorted({_name(c) for c in consumers})
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigurationError(f"batch_size must be an int >= 1, not {batch_size!r}")
@@ -126,14 +130,14 @@ class Pruner(StopSwitch):
         def keep(window: timedelta | None) -> timedelta | None:
             return None if window is None else window + (buffer or default_buffer(window))
 
-        named = selected if selected is not None else sorted(windows)
+        named = selected if selected is not None else sorted(own)
         self.keep: dict[str, timedelta | None] = {
-            name: keep(windows.get(name, retention)) for name in named
+            name: keep(own.get(name, common)) for name in named
         }
         """Per consumer named: how old a record must be before it goes (None: never)."""
-        self.keep_others = keep(retention) if selected is None else None
+        self.keep_others = keep(common) if selected is None else None
         self.consumers = selected
-        self.windows = windows
+        self.windows = own
         self.outbox_keep = check_window(outbox_keep, "outbox_keep")
         self.engine = sqlite.prepare(engine)  # batches: BEGIN IMMEDIATE on SQLite
         self._reader = engine  # counts and checks: a plain BEGIN

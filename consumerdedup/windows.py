@@ -88,8 +88,38 @@ class BrokerRetention:
         return max(w for w in windows if w is not None)
 
     @property
+    def names(self) -> str:
+        return ", ".join(s.source for s in self.sources)
+
+    @property
     def forever(self) -> Sequence[SourceRetention]:
         return [s for s in self.sources if s.window is None]
 
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.sources)
+
+
+Window = timedelta | BrokerRetention | None
+"""A retention as the Pruner takes it: a timedelta, None for forever, or the broker's word."""
+
+
+def scoped(retention: Window, consumers: Iterable[str] | None) -> timedelta | None:
+    """The common retention as a plain window; a broker's only with the consumers named.
+
+    A window read from a broker is how long *its* topics or queues can deliver
+    again; other consumers may read sources that keep messages longer, and
+    pruning them by it would let a redelivery find no record.
+    """
+    if not isinstance(retention, BrokerRetention):
+        return retention
+    if consumers is None:
+        raise ConfigurationError(
+            f"the retention read from {retention.broker} applies only to the consumers of "
+            f"{retention.names}: name them with consumers=[...]"
+        )
+    return retention.window
+
+
+def plain(window: Window) -> timedelta | None:
+    """A consumer's own window: a broker's applies to that consumer alone, so it is scoped."""
+    return window.window if isinstance(window, BrokerRetention) else window

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 
 
 class Proxy:
@@ -16,6 +17,8 @@ class Proxy:
         self.target = (host, port)
         self.port = 0
         self.sockets: list[socket.socket] = []
+        self.accepted: list[float] = []
+        """When each client connection came (time.monotonic())."""
         self.lock = threading.Lock()
         self.restore()
 
@@ -46,6 +49,7 @@ class Proxy:
                 client, _ = listener.accept()
             except OSError:
                 return
+            self.accepted.append(time.monotonic())
             upstream = socket.create_connection(self.target)
             with self.lock:
                 self.sockets += [client, upstream]

@@ -248,6 +248,8 @@ def wait_for_line(lines: queue.Queue[str], wanted: str, timeout: float) -> list[
         (["--retention=-1d"], "is negative"),
         (["--retention", "forever"], "finite window; to keep one consumer's records forever"),
         (["--retention", "7x"], "is not a duration"),
+        (["--retention", "7M"], "units are lowercase"),
+        (["--retention", "-7M"], "is negative"),
         (["--retention", "0d"], "is zero"),
         (["--retention", "7d", "--buffer", "0s"], "--buffer '0s' is zero"),
         (["--retention", "7d", "--consumer", "ledgr"], "unknown consumer(s) 'ledgr'"),
@@ -257,6 +259,8 @@ def wait_for_line(lines: queue.Queue[str], wanted: str, timeout: float) -> list[
         (["--retention", "7d", "--progress-every", "soon"], "--progress-every 'soon' is not"),
         (["--retention", "7d", "--topics", "a"], "--topics goes with --kafka"),
         (["--kafka", "127.0.0.1:1"], "--kafka needs --topics"),
+        (["--kafka", "127.0.0.1:1", "--topics", "a"], "applies only to the consumers of a"),
+        (["--rabbitmq", "amqp://127.0.0.1:1", "--queues", "q"], "name them with --consumer"),
         ([], "one of the arguments --retention --kafka --rabbitmq is required"),
         (["--retention", "7d", "--kafka", "x:1"], "not allowed with argument"),
     ],
@@ -312,9 +316,10 @@ def test_kafka_infinite_retention_prunes_nothing_and_says_so(
         make_topic(kafka, **{"retention.ms": "1000"}),
         make_topic(kafka, **{"retention.ms": "-1"}),
     )
-    run = prune(sqlite_db, "--kafka", kafka.bootstrap, "--topics", f"{finite},{infinite}")
+    topics = f"{finite},{infinite}"
+    run = prune(sqlite_db, "--kafka", kafka.bootstrap, "--topics", topics, "--consumer", "ledger")
     assert run.code == 0, run.err
-    assert f"{infinite} keep(s) records forever" in run.out and "never pruned" in run.out
+    assert f"{infinite} keep(s) records forever: the records of ledger are never" in run.out
     assert "deleted 0 rows" in run.out
     assert ages(sqlite_db, "ledger") == set(range(30))
 
@@ -323,7 +328,7 @@ def test_kafka_without_retention_asks_for_it(sqlite_db: Database, kafka: KafkaSe
     if kafka.kind != "tansu":
         pytest.skip("a real Kafka always reports retention.ms")
     topic = make_topic(kafka)
-    run = prune(sqlite_db, "--kafka", kafka.bootstrap, "--topics", topic)
+    run = prune(sqlite_db, "--kafka", kafka.bootstrap, "--topics", topic, "--consumer", "ledger")
     run.assert_usage_error(f"no retention.ms for topic(s) {topic}", "pass --retention DURATION")
 
 
@@ -332,13 +337,35 @@ def test_rabbitmq_queue_ttl_sets_the_retention(sqlite_db: Database, amqp_url: st
         pytest.skip("rabbitmqctl is not on this host: the TTL cannot be read (documented)")
     fill(sqlite_db)
     with rabbit_queues(amqp_url) as (with_ttl, without):
-        run = prune(sqlite_db, "--rabbitmq", amqp_url, "--queues", with_ttl)
+        run = prune(sqlite_db, "--rabbitmq", amqp_url, "--queues", with_ttl, "--consumer", "ledger")
         assert run.code == 0, run.err
         assert f"{with_ttl}: 2d (x-message-ttl=172800000)" in run.out
         assert ages(sqlite_db, "ledger") == set(range(3))
+        assert ages(sqlite_db, "mail") == set(range(30))
 
-        asked = prune(sqlite_db, "--rabbitmq", amqp_url, "--queues", f"{with_ttl},{without}")
+        both = f"{with_ttl},{without}"
+        asked = prune(sqlite_db, "--rabbitmq", amqp_url, "--queues", both, "--consumer", "ledger")
         asked.assert_usage_error(f"{without} in vhost '/' have no message TTL", "--retention")
+
+
+@pytest.mark.parametrize("broker", ["kafka", "rabbitmq"])
+def test_an_unscoped_broker_window_is_refused(
+    sqlite_db: Database, request: pytest.FixtureRequest, broker: str
+) -> None:
+    fill(sqlite_db)
+    with contextlib.ExitStack() as stack:
+        if broker == "kafka":
+            kafka: KafkaService = request.getfixturevalue("kafka")
+            topic = make_topic(kafka, **{"retention.ms": str(86_400_000)})
+            source = ["--kafka", kafka.bootstrap, "--topics", topic]
+        else:
+            url = request.getfixturevalue("amqp_url")
+            source = ["--rabbitmq", url, "--queues", stack.enter_context(rabbit_queues(url))[0]]
+        for extra in ([], ["--window", "mail=30d"], ["--dry-run"]):
+            run = prune(sqlite_db, *source, *extra)
+            run.assert_usage_error("applies only to the consumers of", "--consumer NAME")
+    assert ages(sqlite_db, "ledger") == set(range(30))
+    assert ages(sqlite_db, "mail") == set(range(30))
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -11,6 +11,8 @@ from consumerdedup import ConfigurationError, Message
 from consumerdedup.runner import DEAD_LETTER_SUFFIX, ID_HEADER
 
 DEFAULT_BOOTSTRAP = "localhost:9092"
+MAX_TOPIC_LENGTH = 249
+"""Kafka refuses longer topic names (InvalidTopicException)."""
 
 KeyFunction = Callable[[Message], str | None]
 """Finds the dedup id of a record without an id header: called with the Message (``id``
@@ -36,7 +38,8 @@ class KafkaConfig:
     key: KeyFunction | None = None
     """Used when the id header is absent."""
     coordinates_as_id: bool = True
-    """Last resort: ``topic:partition:offset``, stable across redeliveries of one record.
+    """Last resort: ``topic:partition:offset`` (``sha256:<topic digest>:partition:offset``
+    past 255 characters), stable across redeliveries of one record.
     False: a record with no id header and no key is dead-lettered instead."""
     dead_letter_topic: str = "{topic}" + DEAD_LETTER_SUFFIX
     """Where FAILED records go; ``{topic}`` is replaced by the record's topic."""
@@ -73,6 +76,18 @@ class KafkaConfig:
 
     def dead_letters_of(self, topic: str) -> str:
         return self.dead_letter_topic.format(topic=topic)
+
+    def check_dead_letters(self, topics: Sequence[str]) -> None:
+        """Refuse a dead-letter topic Kafka cannot have: every dead letter would fail, and
+        its partition would stop there for good."""
+        for topic in topics:
+            name = self.dead_letters_of(topic)
+            if len(name) > MAX_TOPIC_LENGTH:
+                raise ConfigurationError(
+                    f"the dead-letter topic of {topic[:40]!r}... would be {len(name)} characters "
+                    f"long, Kafka's limit is {MAX_TOPIC_LENGTH}: set "
+                    "KafkaConfig(dead_letter_topic=...)"
+                )
 
 
 def reject_owned(name: str, options: Mapping[str, Any], owned: set[str]) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from consumerdedup import Message
+from consumerdedup import MAX_ID_LENGTH, Message
 from consumerdedup.errors import describe
 from consumerdedup.runner import CONSUMER_HEADER, REASON_HEADER
 
@@ -27,11 +28,25 @@ def coordinates(record: Any) -> str:
     return f"{record.topic}:{record.partition}:{record.offset}"
 
 
+def coordinates_id(record: Any) -> str:
+    """``topic:partition:offset`` when it fits MAX_ID_LENGTH, else
+    ``sha256:<hex of the topic>:partition:offset`` (at most 102 characters).
+
+    Decided per record, so every id that fitted before stays what it was; the two
+    forms cannot meet, as a Kafka topic name has no ``:``.
+    """
+    readable = coordinates(record)
+    if len(readable) <= MAX_ID_LENGTH:
+        return readable
+    digest = hashlib.sha256(record.topic.encode()).hexdigest()
+    return f"sha256:{digest}:{record.partition}:{record.offset}"
+
+
 def to_message(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
     """The Message of an aiokafka ConsumerRecord, and why it must be refused (None: it need not).
 
     The id is the ``config.id_header`` header, else what ``config.key`` returns,
-    else (``coordinates_as_id``) ``topic:partition:offset``. A header that is
+    else (``coordinates_as_id``) ``coordinates_id``. A header that is
     present but unusable is refused, never replaced by a fallback.
     """
     headers: dict[str, str] = {}
@@ -79,7 +94,7 @@ def _with_id(
             return replace(message, id=found), None
         missing += ", and the key function found none"
     if config.coordinates_as_id:
-        return replace(message, id=coordinates(record)), None
+        return replace(message, id=coordinates_id(record)), None
     return message, missing
 
 

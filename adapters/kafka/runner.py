@@ -72,6 +72,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         self.config = config if config is not None else KafkaConfig()
         if any(self.config.dead_letters_of(t) in self.topics for t in self.topics):
             raise ConfigurationError("a dead-letter topic must not be one of the consumed topics")
+        self.config.check_dead_letters(self.topics)
         self.handler = handler
         self.bootstrap_servers = bootstrap_servers
         self.group_id = group_id or handler.dedup.consumer

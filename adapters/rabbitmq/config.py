@@ -11,6 +11,8 @@ from consumerdedup import ConfigurationError, Message
 from consumerdedup.runner import DEAD_LETTER_SUFFIX, ID_HEADER
 
 DEFAULT_URL = "amqp://guest:guest@localhost:5672/%2F"
+MAX_NAME_BYTES = 255
+"""AMQP short strings: queue names and routing keys (UTF-8 bytes)."""
 
 KeyFunction = Callable[[Message], str | None]
 """Finds the dedup id of a delivery that has no ``message_id`` and no id header (None: none)."""
@@ -76,5 +78,12 @@ class RabbitConfig:
             raise ConfigurationError("reconnect_timeout must be positive or None")
 
     def dlq(self, queue: str) -> str:
-        """The dead-letter queue of ``queue``."""
-        return self.dead_letter_queue or queue + DEAD_LETTER_SUFFIX
+        """The dead-letter queue of ``queue``; ConfigurationError if AMQP cannot name it (a
+        dead letter would fail to publish, every time)."""
+        name = self.dead_letter_queue or queue + DEAD_LETTER_SUFFIX
+        if len(name.encode()) > MAX_NAME_BYTES:
+            raise ConfigurationError(
+                f"the dead-letter queue of {queue[:40]!r}... would be {len(name.encode())} bytes "
+                f"long, AMQP's limit is {MAX_NAME_BYTES}: set RabbitConfig(dead_letter_queue=...)"
+            )
+        return name

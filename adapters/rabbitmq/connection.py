@@ -88,6 +88,14 @@ def backoff(delay: timedelta, max_delay: timedelta) -> Any:
     return tenacity.wait_exponential(multiplier=first, max=longest) + tenacity.wait_random(0, first)
 
 
+def reconnect_wait(delay: timedelta, max_delay: timedelta, failures: int) -> float:
+    """The wait before reconnecting after ``failures`` lost connections in a row: the same
+    backoff as connect(), so a broker that accepts and then drops us is not hammered."""
+    state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+    state.attempt_number = max(1, failures)
+    return float(backoff(delay, max_delay)(state))
+
+
 def close_quietly(connection: Any) -> None:
     """Close, ignoring a connection that is already gone: the broker requeues what was unacked."""
     if connection is None:

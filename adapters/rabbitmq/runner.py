@@ -15,8 +15,8 @@ import pika.exceptions  # type: ignore[import-untyped]
 from consumerdedup import AsyncDedupHandler, ConfigurationError, DedupHandler, Message, Outcome
 from consumerdedup.runner import BeforeAck, ConsumerRunner
 
-from .config import DEFAULT_URL, RabbitConfig
-from .connection import close_quietly, connect, parameters
+from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
+from .connection import close_quietly, connect, parameters, reconnect_wait
 from .convert import Delivery, dead_letter_properties, missing_id_reason, to_message
 from .errors import TopologyError
 
@@ -49,8 +49,10 @@ class RabbitConsumerRunner(ConsumerRunner):
         before_ack: BeforeAck | None = None,
     ) -> None:
         super().__init__(before_ack=before_ack)
-        if not isinstance(queue, str) or not queue:
-            raise ConfigurationError("queue must be a non-empty str")
+        if not isinstance(queue, str) or not 0 < len(queue.encode()) <= MAX_NAME_BYTES:
+            raise ConfigurationError(
+                f"queue must be a non-empty str of {MAX_NAME_BYTES} bytes at most"
+            )
         if isinstance(handler, AsyncDedupHandler):
             raise ConfigurationError(
                 "RabbitConsumerRunner drives a blocking handler: wrap it with Deduplicator, "
@@ -68,6 +70,8 @@ class RabbitConsumerRunner(ConsumerRunner):
         self.reconnects = 0
         self._cancelled = False
         self._retries: dict[str, int] = {}  # consecutive RETRYs per id, for the backoff
+        self._progress = False  # something was acked on the current connection
+        self._dead_letters: Any = None  # the publishing channel of the current connection
 
     def run(self, *, until_idle: bool = False) -> None:
         """Consume until stop() (or SIGTERM/SIGINT after ``on_signals()``).
@@ -75,19 +79,30 @@ class RabbitConsumerRunner(ConsumerRunner):
         With ``until_idle``, return once no delivery came for ``idle_timeout``
         and the queue has nothing ready: for tests, scripts and draining.
         """
+        failures = 0  # lost connections in a row without progress: the backoff grows with them
         while not self.stopping:
             connection = self._connect()
             if connection is None:
                 return
+            self._progress = False
             try:
                 self._consume(connection, until_idle)
                 return
             except _LOST as exc:
                 self.reconnects += 1
-                log.warning("%s lost its RabbitMQ connection (%r); reconnecting", self.name, exc)
+                failures = 1 if self._progress else failures + 1
+                wait = reconnect_wait(
+                    self.config.reconnect_delay, self.config.max_reconnect_delay, failures
+                )
+                log.warning(
+                    "%s lost its RabbitMQ connection (%r); reconnecting in %.1fs",
+                    self.name,
+                    exc,
+                    wait,
+                )
             finally:
                 close_quietly(connection)  # also after SimulatedCrash: the broker requeues
-            self.pause(self.config.reconnect_delay.total_seconds())
+            self.pause(wait)
 
     def declare(self) -> None:
         """Declare the queue, its dead-letter queue and exchange now (idempotent), whatever
@@ -115,6 +130,7 @@ class RabbitConsumerRunner(ConsumerRunner):
     def _consume(self, connection: Any, until_idle: bool) -> None:
         buffer: deque[Delivery] = deque()
         channel = self._open(connection, buffer)
+        self._dead_letters = None
         idle = self.config.idle_timeout.total_seconds()
         idle_since = time.monotonic()
         while not self.stopping:
@@ -179,7 +195,7 @@ class RabbitConsumerRunner(ConsumerRunner):
         for delivery, (message, missing), result in zip(batch, converted, results, strict=True):
             if result.outcome is Outcome.FAILED:
                 reason = missing_id_reason(missing) if missing else result.reason or "failed"
-                if not self._dead_letter(channel, delivery, reason):
+                if not self._dead_letter(connection, delivery, reason):
                     retry.append((delivery, message))
             elif result.outcome is Outcome.RETRY:
                 retry.append((delivery, message))
@@ -187,26 +203,33 @@ class RabbitConsumerRunner(ConsumerRunner):
                 self._retries.pop(str(message.id), None)
         if not retry:
             channel.basic_ack(batch[-1].tag, multiple=len(batch) > 1)
+            self._progress = True
             return
         held = {delivery.tag for delivery, _ in retry}
         for delivery in batch:
             if delivery.tag not in held:
                 channel.basic_ack(delivery.tag)
+                self._progress = True
         self._wait(connection, self._backoff([message for _, message in retry]))
         for delivery, _ in retry:
             channel.basic_nack(delivery.tag, requeue=True)
 
-    def _dead_letter(self, channel: Any, delivery: Delivery, reason: str) -> bool:
-        """Publish a copy with the reason to the dead-letter queue; True once it is confirmed."""
+    def _dead_letter(self, connection: Any, delivery: Delivery, reason: str) -> bool:
+        """Publish a copy with the reason to the dead-letter queue; True once it is confirmed.
+
+        On a channel of its own: a refused publish (no such exchange: 404) closes that
+        channel only, so the consuming channel keeps its deliveries and can still ack the
+        batch-mates and give this one back.
+        """
         consumer = self.handler.dedup.consumer
         properties = dead_letter_properties(delivery, reason, consumer, self.queue)
+        exchange = self.config.dead_letter_exchange
         try:
-            channel.basic_publish(
-                self.config.dead_letter_exchange,
-                self.dead_letter_queue,
-                delivery.body,
-                properties,
-                mandatory=True,
+            if self._dead_letters is None or not self._dead_letters.is_open:
+                self._dead_letters = connection.channel()
+                self._dead_letters.confirm_delivery()
+            self._dead_letters.basic_publish(
+                exchange, self.dead_letter_queue, delivery.body, properties, mandatory=True
             )
         except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
             log.error(
@@ -215,6 +238,15 @@ class RabbitConsumerRunner(ConsumerRunner):
                 self.queue,
                 self.dead_letter_queue,
                 exc,
+            )
+            return False
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            log.error(
+                "cannot dead-letter a message of %r through exchange %r (%s); it stays in the "
+                "queue for redelivery: declare the exchange (RabbitConfig(declare=True))",
+                self.queue,
+                exchange,
+                exc.reply_text,
             )
             return False
         return True
