@@ -22,7 +22,7 @@ from .observe import OutcomeCounts
 from .outbox import Outbox
 from .outcome import Outcome, Result
 from .pruner import Pruner, PruneReport
-from .publisher import Publisher
+from .publisher import BrokerUnavailable, DestinationMissing, Publisher
 from .relay import OutboxRelay, RelayConfig
 from .retry import RetryPolicy
 from .schema import Tables, install
@@ -32,12 +32,14 @@ __all__ = [
     "MAX_ID_LENGTH",
     "AsyncDedupHandler",
     "AsyncDeduplicator",
+    "BrokerUnavailable",
     "ConfigurationError",
     "ConsumerDedupError",
     "DeadLetterFailed",
     "DecodeError",
     "DedupHandler",
     "Deduplicator",
+    "DestinationMissing",
     "InvalidMessage",
     "Message",
     "Outbox",

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 
 from . import sqlite
 from .errors import ConfigurationError, describe
-from .publisher import Publisher
+from .publisher import DestinationMissing, Publisher
 from .relay_listener import Listener
 from .relay_statements import RelayStatements
 from .retry import ErrorKind, classify
@@ -228,7 +228,7 @@ class OutboxRelay(StopSwitch):
             if inspect.isawaitable(sent):
                 self._run_async(sent)
         except Exception as exc:
-            if classify(exc) is ErrorKind.TRANSIENT:
+            if not isinstance(exc, DestinationMissing) and classify(exc) is ErrorKind.TRANSIENT:
                 self._broker_trouble = True  # the broker is away: end the round, back off
             return exc
         return None

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 
 from consumerdedup import ConfigurationError, Publisher
-from consumerdedup.adapters.kafka import KafkaPublisher, PublishFailed
-from tests.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
+from consumerdedup.adapters.kafka import (
+    BrokerUnavailable,
+    KafkaPublisher,
+    PublishFailed,
+    TopicMissing,
+)
+from consumerdedup.publisher import DestinationMissing
+from tests.kafka_doubles import no_auto_create
+from tests.kafka_service import (  # noqa: F401
+    KafkaService,
+    Topics,
+    free_port,
+    kafka_fixture,
+    topics_fixture,
+)
+from tests.test_outbox_kafka import start_tansu
 
 
 async def test_publish_sends_body_key_and_headers_and_returns_once_acknowledged(
@@ -78,3 +96,63 @@ def test_options_that_would_weaken_the_guarantees_are_refused() -> None:
     for owned in ("acks", "enable_idempotence", "bootstrap_servers"):
         with pytest.raises(ConfigurationError, match=owned):
             KafkaPublisher(options={owned: 1})
+
+
+@pytest.mark.parametrize("error", [UnknownTopicOrPartitionError, KafkaTimeoutError])
+async def test_a_topic_the_broker_does_not_have_is_destination_missing_not_broker_unavailable(
+    kafka: KafkaService, topics: Topics, monkeypatch: pytest.MonkeyPatch, error: type[Exception]
+) -> None:
+    """aiokafka's answer for a missing topic is retriable, but the broker is there: the outbox
+    relay must charge that event, not stop for everyone (see tests/kafka_doubles.py)."""
+    double = no_auto_create(monkeypatch, error)
+    present = await topics.create("present")
+    missing = f"cdd-missing-{uuid.uuid4().hex[:10]}"
+    topics.names.append(missing)
+    async with KafkaPublisher(kafka.bootstrap, enable_idempotence=kafka.idempotence) as publisher:
+        with pytest.raises(TopicMissing, match=f"{missing!r} does not exist") as caught:
+            await publisher.publish(missing, b"x")
+        assert isinstance(caught.value, DestinationMissing)
+        assert not isinstance(caught.value, ConnectionError | BrokerUnavailable)
+        assert isinstance(caught.value.__cause__, error)
+        await publisher.publish(present, b"y")
+        # Known missing: asked of the broker's topic list and refused at once, not after
+        # another request_timeout_ms in aiokafka.
+        with pytest.raises(TopicMissing):
+            await publisher.publish(missing, b"x")
+        assert double.refused == [missing]
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+        await admin.start()
+        try:  # an operator creates the topic: its events go
+            await admin.create_topics([NewTopic(missing, 1, 1)])
+        finally:
+            await admin.close()
+        await publisher.publish(missing, b"z")
+    assert [r.value for r in await topics.records(missing)] == [b"z"]
+    assert [r.value for r in await topics.records(present)] == [b"y"]
+
+
+async def test_a_broker_gone_after_start_is_broker_unavailable_whatever_the_topic(
+    kafka: KafkaService,
+) -> None:
+    """A broker of our own, killed after the first publish: the same aiokafka errors as for
+    a missing topic, but nobody answers, so it is the broker that is away."""
+    if kafka.kind != "tansu":
+        pytest.skip("kills a broker of its own, which needs the Tansu binary")
+    port = free_port()
+    broker = start_tansu(port)
+    known = f"cdd-gone-{uuid.uuid4().hex[:10]}"
+    publisher = KafkaPublisher(
+        f"127.0.0.1:{port}", enable_idempotence=False, options={"request_timeout_ms": 1500}
+    )
+    try:
+        await publisher.publish(known, b"x")  # Tansu creates the topic
+        broker.kill()
+        broker.wait()
+        for topic in (known, f"cdd-never-{uuid.uuid4().hex[:10]}"):
+            with pytest.raises(BrokerUnavailable) as caught:
+                await publisher.publish(topic, b"y")
+            assert not isinstance(caught.value, DestinationMissing)
+    finally:
+        broker.kill()
+        broker.wait()
+        await publisher.stop()

@@ -13,7 +13,9 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from consumerdedup import (
+    BrokerUnavailable,
     Deduplicator,
+    DestinationMissing,
     Message,
     Outbox,
     OutboxRelay,
@@ -185,6 +187,29 @@ def test_broker_away_ends_the_round_and_nothing_is_lost(db: Any) -> None:
     assert sorted(m.body.decode() for m in publisher.broker.messages("orders")) == sorted(
         f"e{n}" for n in range(10)
     )
+
+
+class TopicGone(DestinationMissing, TimeoutError):
+    """How a client library may put it: "retry later", about a destination that is not there."""
+
+
+def test_a_missing_destination_is_charged_to_its_event_and_the_other_keys_go(db: Any) -> None:
+    add_events(db, [("a1", "a"), ("b1", "b"), ("a2", "a"), ("n1", None)])
+    publisher = FlakyPublisher({"a1": 1}, error=TopicGone)
+    relay = OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK)
+    assert relay.run_once() == 2
+    assert [m.body.decode() for m in publisher.broker.messages("orders")] == ["b1", "n1"]
+    row = next(r for r in outbox_rows(db) if r.body == b"a1")
+    assert row.attempts == 1 and "TopicGone" in row.last_error
+
+
+def test_broker_unavailable_charges_no_event(db: Any) -> None:
+    add_events(db, [("a1", "a"), ("b1", "b")])
+    publisher = FlakyPublisher({"a1": 1}, error=BrokerUnavailable)
+    relay = OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK)
+    assert relay.run_once() == 0
+    assert publisher.calls == ["a1"]  # the round ended there
+    assert all(r.attempts == 0 for r in outbox_rows(db))
 
 
 def test_relay_killed_after_confirmation_republishes_and_downstream_dedups(db: Any) -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+import uuid
 from collections import defaultdict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
 
 from consumerdedup import (
     Message,
+    Outbox,
     OutboxRelay,
     Outcome,
     RelayConfig,
@@ -21,6 +24,7 @@ from consumerdedup import (
 )
 from consumerdedup.adapters.kafka import KafkaPublisher
 from tests import services
+from tests.kafka_doubles import no_auto_create
 from tests.kafka_service import (  # noqa: F401
     KafkaService,
     Topics,
@@ -190,3 +194,41 @@ async def test_broker_away_for_seconds_the_relay_backs_off_then_publishes_everyt
         attempts = conn.execute(text(f"SELECT max(attempts) FROM {ob.fullname}")).scalar()
     assert unpublished == 0 and len(later) == 50
     assert attempts == 0  # the outage charged no event, so none can be parked by it
+
+
+async def test_an_event_for_a_missing_topic_backs_off_alone_and_the_other_keys_go(
+    kafka: KafkaService, topics: Topics, pg: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker refuses to create topics (see tests/kafka_doubles.py): the event for the
+    missing topic is charged and backs off, holding back only its own key."""
+    import asyncio
+
+    no_auto_create(monkeypatch)
+    present = await topics.create("present")
+    missing = f"cdd-missing-{uuid.uuid4().hex[:10]}"
+    outbox = Outbox(pg.tables)
+    with Session(pg.engine) as session, session.begin():
+        for destination, body, key in [
+            (missing, b"a1", "a"),
+            (present, b"b1", "b"),
+            (present, b"a2", "a"),
+            (missing, b"loose", None),
+            (present, b"b2", "b"),
+        ]:
+            outbox.add(session, destination, body, key=key)
+    later = RelayConfig(initial_backoff=timedelta(hours=1), max_backoff=timedelta(hours=1))
+
+    def run_twice() -> list[int]:
+        with OutboxRelay(pg.engine, publisher(kafka), tables=pg.tables, config=later) as relay:
+            return [relay.run_once(), relay.run_once()]
+
+    assert await asyncio.to_thread(run_twice) == [2, 0]  # b1, b2; then nothing is due
+    assert [r.value for r in await topics.records(present)] == [b"b1", b"b2"]
+    ob = pg.tables.outbox
+    with pg.engine.connect() as conn:
+        rows = {r.body: r for r in conn.execute(select(ob))}
+    now = datetime.now(UTC)
+    for body in (b"a1", b"loose"):
+        assert rows[body].attempts == 1 and rows[body].available_at > now + timedelta(minutes=50)
+        assert "TopicMissing" in rows[body].last_error
+    assert rows[b"a2"].attempts == 0 and rows[b"a2"].published_at is None  # behind a1

@@ -20,7 +20,7 @@ from consumerdedup.adapters.rabbitmq import (
     Unroutable,
     route,
 )
-from consumerdedup.publisher import Publisher
+from consumerdedup.publisher import DestinationMissing, Publisher
 from consumerdedup.retry import ErrorKind, classify
 from tests.rabbitmq_service import (  # noqa: F401
     Broker,
@@ -61,8 +61,9 @@ def test_an_exchange_destination_routes_by_its_key_or_by_the_message_key(
 def test_an_unroutable_message_is_reported(rabbit: Broker, publisher: RabbitPublisher) -> None:
     exchange = rabbit.name("ex")
     rabbit.channel.exchange_declare(exchange, exchange_type="direct")
-    with pytest.raises(Unroutable, match="no queue is bound"):
+    with pytest.raises(Unroutable, match="no queue is bound") as caught:
         publisher.publish(f"{exchange}/nobody", b"x", headers={"event_id": "e-1"})
+    assert isinstance(caught.value, DestinationMissing)  # charged, not an outage
     with pytest.raises(Unroutable):
         publisher.publish(rabbit.name("no-queue"), b"x", headers={"event_id": "e-2"})
 
@@ -70,8 +71,10 @@ def test_an_unroutable_message_is_reported(rabbit: Broker, publisher: RabbitPubl
 def test_a_missing_exchange_is_reported_and_the_publisher_goes_on(
     rabbit: Broker, publisher: RabbitPublisher
 ) -> None:
-    with pytest.raises(PublishFailed, match="NOT_FOUND"):
+    with pytest.raises(PublishFailed, match="NOT_FOUND") as caught:
         publisher.publish(f"{rabbit.name('gone')}/key", b"x", headers={"event_id": "e-1"})
+    assert isinstance(caught.value, DestinationMissing)  # charged, not an outage
+    assert classify(caught.value) is not ErrorKind.TRANSIENT
     queue = rabbit.queue()
     publisher.publish(queue, b"y", headers={"event_id": "e-2"})
     assert rabbit.ready(queue) == 1

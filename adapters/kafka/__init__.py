@@ -9,7 +9,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig, KeyFunction
 from .convert import OFFSET_HEADER, PARTITION_HEADER, SOURCE_HEADER
-from .errors import BrokerUnavailable, KafkaAdapterError, PublishFailed
+from .errors import BrokerUnavailable, KafkaAdapterError, PublishFailed, TopicMissing
 from .publisher import KafkaPublisher
 from .runner import KafkaConsumerRunner
 
@@ -25,4 +25,5 @@ __all__ = [
     "KafkaPublisher",
     "KeyFunction",
     "PublishFailed",
+    "TopicMissing",
 ]

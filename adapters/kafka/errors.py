@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumerdedup import ConsumerDedupError
+from consumerdedup import ConsumerDedupError, publisher
 
 
 class KafkaAdapterError(ConsumerDedupError):
@@ -13,6 +13,11 @@ class PublishFailed(KafkaAdapterError):
     """The broker did not acknowledge a record (the aiokafka error is the ``__cause__``)."""
 
 
-class BrokerUnavailable(PublishFailed, ConnectionError):
+class BrokerUnavailable(PublishFailed, publisher.BrokerUnavailable):
     """The broker could not be reached or timed out: transient, so the outbox relay backs
     off without charging the event an attempt."""
+
+
+class TopicMissing(PublishFailed, publisher.DestinationMissing):
+    """The broker answers but has no such topic and does not create it: the outbox relay
+    charges the event an attempt and backs it off, holding back only its key."""

@@ -8,14 +8,21 @@ from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
-from aiokafka.errors import KafkaError, KafkaTimeoutError  # type: ignore[import-untyped]
+from aiokafka.errors import (  # type: ignore[import-untyped]
+    KafkaError,
+    KafkaTimeoutError,
+    UnknownTopicOrPartitionError,
+)
 
 from consumerdedup.errors import describe
 
 from .config import DEFAULT_BOOTSTRAP, PUBLISHER_OWNED, reject_owned
-from .errors import BrokerUnavailable, PublishFailed
+from .errors import BrokerUnavailable, PublishFailed, TopicMissing
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, bytes]]
+TOPIC_LIST_TIMEOUT = 10.0
+"""Seconds the broker has to list its topics when a send failed in a way that may mean
+either "no such topic" or "no broker"."""
 
 
 class KafkaPublisher:
@@ -25,6 +32,12 @@ class KafkaPublisher:
     writing a record twice; brokers without InitProducerId (Tansu) need it off.
     ``options`` are passed to ``AIOKafkaProducer`` (``linger_ms``, security...).
     Started on first use, or with ``start()`` / ``async with``; ``stop()`` flushes.
+
+    A topic the broker does not have (and does not create) raises TopicMissing,
+    a broker that does not answer BrokerUnavailable. aiokafka reports both the
+    same way, after ``request_timeout_ms`` (40 s by default): the broker's topic
+    list tells them apart. Once a topic is known to be missing, later sends to
+    it ask that list first and fail at once until the topic appears.
     """
 
     def __init__(
@@ -44,6 +57,7 @@ class KafkaPublisher:
         }
         self._producer: Any = None
         self._starting = asyncio.Lock()
+        self._missing: set[str] = set()
 
     async def start(self) -> None:
         async with self._starting:
@@ -93,14 +107,43 @@ class KafkaPublisher:
         try:
             if self._producer is None:
                 await self.start()
+            if topic in self._missing:
+                await self._refuse_if_still_missing(topic)
             return await self._producer.send_and_wait(
                 topic, value, key=_bytes(key), headers=_header_list(headers)
             )
         except KafkaError as exc:
-            # Retriable errors and timeouts mean "not now", not "never": the relay waits.
-            transient = getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError)
-            error = BrokerUnavailable if transient else PublishFailed
-            raise error(f"cannot publish to {topic!r}: {describe(exc)}") from exc
+            raise await self._failure(topic, exc) from exc
+
+    async def _failure(self, topic: str, exc: KafkaError) -> PublishFailed:
+        """The error to raise for ``exc``: the broker away, the topic missing, or a refusal."""
+        reason = f"cannot publish to {topic!r}: {describe(exc)}"
+        # Retriable errors and timeouts mean "not now", not "never".
+        if not (getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError)):
+            return PublishFailed(reason)
+        if isinstance(exc, UnknownTopicOrPartitionError | KafkaTimeoutError):
+            found = await self._topics()
+            if found is not None and topic not in found:
+                self._missing.add(topic)
+                return TopicMissing(f"{reason}: topic {topic!r} does not exist")
+        return BrokerUnavailable(reason)
+
+    async def _refuse_if_still_missing(self, topic: str) -> None:
+        found = await self._topics()
+        if found is not None and topic not in found:
+            raise TopicMissing(f"cannot publish to {topic!r}: topic {topic!r} does not exist")
+        self._missing.discard(topic)  # created since, or no answer: a real send will tell
+
+    async def _topics(self) -> set[str] | None:
+        """Every topic the broker has (a request that creates none); None if nobody answers."""
+        if self._producer is None:
+            return None
+        try:
+            listing = self._producer.client.fetch_all_metadata()
+            cluster = await asyncio.wait_for(listing, TOPIC_LIST_TIMEOUT)
+        except (KafkaError, TimeoutError, OSError):
+            return None
+        return set(cluster.topics(exclude_internal_topics=False))
 
 
 def _bytes(value: str | bytes | None) -> bytes | None:

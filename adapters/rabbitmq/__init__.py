@@ -13,6 +13,7 @@ from .config import DEFAULT_URL, KeyFunction, RabbitConfig
 from .convert import SOURCE_HEADER, Delivery
 from .errors import (
     BrokerUnavailable,
+    ExchangeMissing,
     PublishFailed,
     PublishNacked,
     RabbitError,
@@ -27,6 +28,7 @@ __all__ = [
     "SOURCE_HEADER",
     "BrokerUnavailable",
     "Delivery",
+    "ExchangeMissing",
     "KeyFunction",
     "PublishFailed",
     "PublishNacked",

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from consumerdedup import ConsumerDedupError
+from consumerdedup import ConsumerDedupError, publisher
 
 
 class RabbitError(ConsumerDedupError):
     """Something on the RabbitMQ side that the adapter cannot work around."""
 
 
-class BrokerUnavailable(RabbitError, ConnectionError):
+class BrokerUnavailable(RabbitError, publisher.BrokerUnavailable):
     """Cannot reach the broker (or it refused our credentials): transient for the outbox relay."""
 
 
@@ -21,8 +21,12 @@ class PublishFailed(RabbitError):
     """The broker did not confirm a message; publish it again (downstream dedups by event_id)."""
 
 
-class Unroutable(PublishFailed):
+class Unroutable(PublishFailed, publisher.DestinationMissing):
     """Published with ``mandatory`` and returned: no queue is bound for it."""
+
+
+class ExchangeMissing(PublishFailed, publisher.DestinationMissing):
+    """The exchange does not exist: the broker closed the channel with 404 NOT_FOUND."""
 
 
 class PublishNacked(PublishFailed):

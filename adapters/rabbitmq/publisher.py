@@ -19,7 +19,7 @@ from consumerdedup.runner import ID_HEADER
 
 from .config import DEFAULT_URL
 from .connection import backoff, close_quietly, connect, parameters
-from .errors import BrokerUnavailable, PublishFailed, PublishNacked, Unroutable
+from .errors import BrokerUnavailable, ExchangeMissing, PublishFailed, PublishNacked, Unroutable
 
 _names = itertools.count(1)
 PERSISTENT = pika.DeliveryMode.Persistent.value
@@ -44,9 +44,10 @@ class RabbitPublisher:
     """consumerdedup's Publisher on RabbitMQ: confirms on, ``delivery_mode`` persistent,
     ``mandatory``, ``message_id`` = the ``event_id`` header. Thread-safe (calls are serialized).
 
-    An unroutable message raises Unroutable, a refused one PublishNacked, a missing
-    exchange PublishFailed; a lost connection is reopened and the message sent again,
-    up to ``attempts`` times, then BrokerUnavailable (a ConnectionError: transient).
+    An unroutable message raises Unroutable, a missing exchange ExchangeMissing
+    (both DestinationMissing), a refused one PublishNacked; a lost connection is reopened
+    and the message sent again, up to ``attempts`` times, then BrokerUnavailable (a
+    ConnectionError: transient).
     Connecting is retried with backoff for up to ``connect_timeout``.
     """
 
@@ -123,7 +124,8 @@ class RabbitPublisher:
         except pika.exceptions.ChannelClosedByBroker as exc:
             # A missing exchange (404) closes the channel: report it, reopen next time.
             self._channel = None
-            raise PublishFailed(f"{exchange!r}: {exc.reply_text}") from exc
+            error = ExchangeMissing if exc.reply_code == 404 else PublishFailed
+            raise error(f"{exchange!r}: {exc.reply_text}") from exc
 
     def _open(self) -> None:
         self._drop()
