@@ -11,17 +11,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from . import sqlite
 from .errors import PermanentError
+from .handler_guard import HandlerCall, watch_errors
 from .message import Message
 from .ops import (
     Attempt,
     AttemptReport,
     CallHandler,
     Commit,
-    EndSavepoint,
     Execute,
     Op,
     Rollback,
-    Savepoint,
 )
 from .outcome import Outcome, Result
 from .pipeline import Batch, Pipeline
@@ -58,6 +57,7 @@ class AsyncDeduplicator(DeduplicatorSettings):
             observers=observers,
         )
         self.engine = engine
+        watch_errors(engine.sync_engine)
         if session_factory is None:
             ours = AsyncEngine(sqlite.prepare(engine.sync_engine))
             session_factory = async_sessionmaker(ours, expire_on_commit=False)
@@ -100,8 +100,12 @@ class AsyncDedupHandler:
     async def process(self, message: Message) -> Result:
         return (await self.process_batch([message]))[0]
 
-    async def process_batch(self, messages: Sequence[Message]) -> list[Result]:
-        batch = self.pipeline.start(messages)
+    async def process_batch(
+        self, messages: Sequence[Message], *, ordered: bool = False
+    ) -> list[Result]:
+        """One Result per message, in order. ``ordered``: the messages come from an ordered
+        source (a Kafka partition): nothing commits behind a message that is to be retried."""
+        batch = self.pipeline.start(messages, ordered)
         if batch.items:
             first = await self._attempt(batch)  # the hot path stays outside tenacity
             if first.pending:
@@ -143,15 +147,21 @@ class AsyncDedupHandler:
             case Execute(statement, params, read):
                 return read(await session.execute(statement, params))
             case CallHandler(message):
-                return await self.fn(message, session)
-            case Savepoint():
-                return await session.begin_nested()
-            case EndSavepoint(handle, commit):
-                return await (handle.commit() if commit else handle.rollback())
+                return await self._call(message, session)
             case Commit():
                 return await session.commit()
             case Rollback():
                 return await session.rollback()
+
+    async def _call(self, message: Message, session: AsyncSession) -> None:
+        connection = (await session.connection()).sync_connection
+        assert connection is not None, "an AsyncConnection in a transaction has its connection"
+        call = HandlerCall(session.sync_session, connection)
+        try:
+            await self.fn(message, session)
+        finally:
+            call.finish()
+        call.verify()
 
     async def _settle(self, result: Result) -> Result:
         if result.outcome is Outcome.FAILED and self.dedup.dead_letter is not None:

@@ -11,17 +11,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import sqlite
 from .errors import PermanentError
+from .handler_guard import HandlerCall, watch_errors
 from .message import Message
 from .ops import (
     Attempt,
     AttemptReport,
     CallHandler,
     Commit,
-    EndSavepoint,
     Execute,
     Op,
     Rollback,
-    Savepoint,
 )
 from .outcome import Outcome, Result
 from .pipeline import Batch, Pipeline
@@ -59,6 +58,7 @@ class Deduplicator(DeduplicatorSettings):
             observers=observers,
         )
         self.engine = engine
+        watch_errors(engine)
         self.session_factory = session_factory or sessionmaker(
             sqlite.prepare(engine), expire_on_commit=False
         )
@@ -98,8 +98,10 @@ class DedupHandler:
     def process(self, message: Message) -> Result:
         return self.process_batch([message])[0]
 
-    def process_batch(self, messages: Sequence[Message]) -> list[Result]:
-        batch = self.pipeline.start(messages)
+    def process_batch(self, messages: Sequence[Message], *, ordered: bool = False) -> list[Result]:
+        """One Result per message, in order. ``ordered``: the messages come from an ordered
+        source (a Kafka partition): nothing commits behind a message that is to be retried."""
+        batch = self.pipeline.start(messages, ordered)
         if batch.items:
             first = self._attempt(batch)  # the hot path stays outside tenacity
             if first.pending:
@@ -141,15 +143,19 @@ class DedupHandler:
             case Execute(statement, params, read):
                 return read(session.execute(statement, params))
             case CallHandler(message):
-                return self.fn(message, session)
-            case Savepoint():
-                return session.begin_nested()
-            case EndSavepoint(handle, commit):
-                return handle.commit() if commit else handle.rollback()
+                return self._call(message, session)
             case Commit():
                 return session.commit()
             case Rollback():
                 return session.rollback()
+
+    def _call(self, message: Message, session: Session) -> None:
+        call = HandlerCall(session, session.connection())
+        try:
+            self.fn(message, session)
+        finally:
+            call.finish()
+        call.verify()
 
     def _settle(self, result: Result) -> Result:
         if result.outcome is Outcome.FAILED and self.dedup.dead_letter is not None:

@@ -6,6 +6,10 @@ dead-lettered); ``RetryLater`` asks for another delivery and records nothing.
 
 from __future__ import annotations
 
+import re
+
+import sqlalchemy.exc
+
 
 class ConsumerDedupError(Exception):
     """Root of every error this library raises on purpose."""
@@ -55,6 +59,28 @@ class RetryLater(ConsumerDedupError):
     """Control flow, not a failure: roll back and deliver the message again later."""
 
 
+class TransactionBroken(ConsumerDedupError):
+    """The handler left the pipeline's transaction unusable, so its writes cannot commit.
+
+    It caught a database error and went on (PostgreSQL then answers COMMIT with
+    ROLLBACK, silently), or it ended the transaction itself. ``cause`` is the
+    swallowed error when it is known; the retry policy classifies by it.
+    """
+
+    def __init__(self, text: str, cause: BaseException | None = None) -> None:
+        super().__init__(text)
+        self.cause = cause
+
+
+class CommitInHandler(PermanentError):
+    """A handler called ``session.commit()``: refused, or its writes would commit
+    without their dedup record."""
+
+
+class HeldBack(RetryLater):
+    """On an ordered source: not tried, because a message ahead of it will be delivered again."""
+
+
 class SimulatedCrash(BaseException):
     """Raised by the test broker to kill a consumer between commit and ack.
 
@@ -63,8 +89,47 @@ class SimulatedCrash(BaseException):
     """
 
 
+REASON_LIMIT = 1000
+"""Longest reason kept: it travels in log lines, the error column and broker headers."""
+
+_QUOTED = re.compile(r'"[^"]*"')
+
+
 def describe(error: BaseException) -> str:
-    """``Type: text`` on one line, for logs, dead-letter headers and the error column."""
-    text = " ".join(str(error).split())
+    """``Type: text`` on one line, for logs, dead-letter headers and the error column.
+
+    Never the statement's bound parameters, nor the values a database quotes
+    back in its detail lines: a reason is logged and sent to other systems.
+    The text is storable (no NUL, no lone surrogate) and at most REASON_LIMIT long.
+    """
+    text = " ".join(_text(error).split())
+    text = text.replace("\x00", "\\0").encode("utf-8", "backslashreplace").decode("utf-8")
     name = type(error).__name__
-    return f"{name}: {text}" if text else name
+    line = f"{name}: {text}" if text else name
+    return line if len(line) <= REASON_LIMIT else line[: REASON_LIMIT - 3] + "..."
+
+
+def _text(error: BaseException) -> str:
+    # SQLAlchemy's str() appends "[SQL: ...] [parameters: ...]": the driver's own error only.
+    driver_error = getattr(error, "orig", None)
+    if driver_error is not None and _is_statement_error(error):
+        return _driver_text(driver_error)
+    if _is_statement_error(error):
+        return str(error.args[0]) if error.args else ""
+    return _driver_text(error)
+
+
+def _is_statement_error(error: BaseException) -> bool:
+    return isinstance(error, sqlalchemy.exc.StatementError)
+
+
+def _driver_text(error: BaseException) -> str:
+    """A DB-API error's primary message: PostgreSQL's DETAIL lines quote row values."""
+    diag = getattr(error, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    if not primary:
+        return str(error)
+    state = getattr(error, "sqlstate", None) or ""
+    if state.startswith("22"):  # data exceptions quote the rejected input value
+        primary = _QUOTED.sub('"..."', primary)
+    return f"{primary} (SQLSTATE {state})" if state else primary

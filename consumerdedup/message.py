@@ -64,7 +64,22 @@ def validate_id(message_id: object) -> str:
         raise InvalidMessage(
             f"message id is {len(message_id)} characters long, the limit is {MAX_ID_LENGTH}"
         )
+    # Refused here, or every statement carrying the key fails in the driver instead.
+    if "\x00" in message_id:
+        raise InvalidMessage(
+            f"message id {_shown(message_id)} contains NUL, which no database stores"
+        )
+    try:
+        message_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidMessage(
+            f"message id {_shown(message_id)} is not valid Unicode (a lone surrogate)"
+        ) from None
     return message_id
+
+
+def _shown(message_id: str) -> str:
+    return ascii(message_id[:64])
 
 
 def payload_hash(body: object) -> str:

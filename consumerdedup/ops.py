@@ -24,20 +24,13 @@ class Execute:
 
 @dataclass(frozen=True, slots=True)
 class CallHandler:
-    """Call the user's handler with the message and the session."""
+    """Call the user's handler with the message and the session.
+
+    The driver then checks that the transaction is still the pipeline's and
+    alive, and throws TransactionBroken in if it is not.
+    """
 
     message: Message
-
-
-@dataclass(frozen=True, slots=True)
-class Savepoint:
-    """Open a savepoint; send back its handle."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndSavepoint:
-    handle: Any
-    commit: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +48,8 @@ class AttemptReport:
     pending: bool
     """Some messages are still undecided: attempt again."""
     backoff: bool
-    """Wait before that attempt (not when the news was only a twin's commit or a batch to redo)."""
+    """Wait before that attempt: not when it only redoes a span's innocent part or halves it."""
 
 
-Op = Execute | CallHandler | Savepoint | EndSavepoint | Commit | Rollback
+Op = Execute | CallHandler | Commit | Rollback
 Attempt = Generator[Op, Any, AttemptReport]

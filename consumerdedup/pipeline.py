@@ -16,22 +16,22 @@ from typing import Any
 
 from .errors import (
     ConfigurationError,
+    HeldBack,
     InvalidMessage,
     PayloadMismatch,
     RecordedFailure,
     describe,
 )
 from .message import Message, payload_hash, validate_id
+from .observe import logger
 from .ops import (
     Attempt,
     AttemptReport,
     CallHandler,
     Commit,
-    EndSavepoint,
     Execute,
     Op,
     Rollback,
-    Savepoint,
 )
 from .outcome import Outcome, Result
 from .retry import ErrorKind, RetryPolicy
@@ -46,6 +46,8 @@ class _Item:
     key: str
     hash: str
     attempts: int = 0
+    blamed: bool = False
+    """Its own handler or statement failed: from now on it runs alone, after what precedes it."""
     refused: BaseException | None = None
     """A permanent failure seen in an earlier try, waiting to be recorded as FAILED."""
     result: Result | None = None
@@ -62,12 +64,23 @@ class Batch:
 
     slots: list[Result | _Item]
     items: list[_Item]
-    careful: bool = False
-    """A handler failed in the optimistic pass: from now on one savepoint per message."""
+    ordered: bool = False
+    """An ordered source: nothing commits behind a message that is to be retried."""
+    limit: int | None = None
+    """At most this many items in the next transaction: halved while a failure names no culprit."""
 
 
 class Pipeline:
-    """Per-consumer settings plus the decision logic over a batch of messages."""
+    """Per-consumer settings plus the decision logic over a batch of messages.
+
+    A transaction covers a *span*: the undecided items from the first one on,
+    in order. The first span is the whole batch (one claim, the handlers back
+    to back, one commit). A failure is isolated without savepoints, so that a
+    commit-time error is isolated like any other and order is kept: when a
+    handler fails, the items before it commit first, then it runs alone; when
+    a statement or the COMMIT fails with no message to blame, the span is
+    halved until one is.
+    """
 
     def __init__(
         self,
@@ -77,11 +90,11 @@ class Pipeline:
         claim_first: bool,
     ) -> None:
         self.statements = statements
-        self.consumer = validate_id(consumer)
+        self.consumer = consumer
         self.policy = policy
         self.claim_first = claim_first
 
-    def start(self, messages: Sequence[Message]) -> Batch:
+    def start(self, messages: Sequence[Message], ordered: bool = False) -> Batch:
         """Validate and collapse a batch: one slot per message, one work item per key.
 
         Invalid messages are decided here (FAILED, nothing recorded: they have
@@ -103,44 +116,35 @@ class Pipeline:
             else:
                 leader.followers.append(item)
             slots.append(item)
-        return Batch(slots, list(leaders.values()))
+        return Batch(slots, list(leaders.values()), ordered)
 
     def attempt(self, batch: Batch) -> Attempt:
-        """One transaction over the undecided items; decides every item it can.
-
-        The hot path claims every key with one INSERT (claim-first) and runs the
-        handlers without savepoints. If a handler raises, the transaction rolls
-        back and the next attempt runs one savepoint per message, so only the
-        failing message is left out.
-        """
-        todo = [item for item in batch.items if item.result is None]
-        optimistic_claim = self.claim_first and not batch.careful
+        """One transaction over the next span of undecided items; decides every item it can."""
+        span = self._span(batch)
         handled: list[_Item] = []  # handler succeeded, waiting on COMMIT
         try:
             claimed: set[str] = set()
-            runnable = [item for item in todo if item.refused is None]
-            if optimistic_claim and runnable:
+            runnable = [item for item in span if item.refused is None]
+            if self.claim_first and runnable:
                 claimed = yield from self._insert(runnable, [])
-            unknown = [item for item in todo if item.key not in claimed]
+            unknown = [item for item in span if item.key not in claimed]
             if unknown:
                 found = yield self._lookup([item.key for item in unknown])
                 unknown = [item for item in unknown if not self._decide_recorded(item, found)]
-            if optimistic_claim:
+            # Claim-first: a key neither claimed nor recorded was committed by a twin in
+            # between; it stays undecided and the next attempt looks again.
+            if self.claim_first:
                 fresh = [item for item in runnable if item.key in claimed]
-                # Neither claimed nor recorded: a twin committed in between; look again.
-                conflicted = any(item.refused is None for item in unknown)
             else:
                 fresh = [item for item in unknown if item.refused is None]
-                conflicted = False
-            if batch.careful:
-                lost = yield from self._run_guarded(fresh, handled)
-                conflicted = conflicted or lost
-            elif not (yield from self._run_optimistic(fresh, handled)):
-                batch.careful = len(fresh) > 1
-                alone = fresh[0] if len(fresh) == 1 else None
-                backoff = alone is not None and alone.refused is None
-                return AttemptReport(pending=self._pending(todo), backoff=backoff)
-            refused = [item for item in todo if item.result is None and item.refused]
+            for item in fresh:
+                try:
+                    yield CallHandler(item.message)
+                except Exception as exc:
+                    yield Rollback()
+                    return self._handler_failed(batch, span, item, exc)
+                handled.append(item)
+            refused = [item for item in span if item.result is None and item.refused]
             ours = [] if self.claim_first else handled
             if (ours or refused) and len((yield from self._insert(ours, refused))) < len(
                 ours + refused
@@ -152,56 +156,69 @@ class Pipeline:
         except ConfigurationError:
             raise  # a wrong setup is no message's failure: the caller must hear of it
         except Exception as exc:  # the transaction itself failed: nothing of it stands
-            # Every undecided item pays an attempt, or an unreachable database would
-            # be retried forever instead of ending in RETRY.
-            for item in todo:
-                if item.result is None:
-                    self._note_failure(item, exc)
-            return AttemptReport(pending=self._pending(todo), backoff=True)
+            return self._transaction_failed(batch, span, exc)
         for item in handled:
             item.decide(Outcome.PROCESSED)
         for item in refused:
             item.decide(Outcome.FAILED, item.refused)
-        pending = self._pending(todo)
-        return AttemptReport(pending=pending, backoff=pending and not conflicted)
+        batch.limit = None
+        return self._report(batch, backoff=False)
 
-    def _run_optimistic(
-        self, fresh: Sequence[_Item], handled: list[_Item]
-    ) -> Generator[Op, Any, bool]:
-        """Run the handlers back to back; on the first failure roll back and say so."""
-        for item in fresh:
-            try:
-                yield CallHandler(item.message)
-            except Exception as exc:
-                self._note_failure(item, exc)
-                handled.clear()
-                yield Rollback()
-                return False
-            handled.append(item)
-        return True
+    def _span(self, batch: Batch) -> list[_Item]:
+        """The undecided items from the first one on; a blamed item runs alone."""
+        span: list[_Item] = []
+        for item in batch.items:
+            if item.result is not None:
+                continue
+            alone = item.blamed and item.refused is None
+            if alone and span:
+                break
+            span.append(item)
+            if alone or (batch.limit is not None and len(span) >= batch.limit):
+                break
+        return span
 
-    def _run_guarded(
-        self, fresh: Sequence[_Item], handled: list[_Item]
-    ) -> Generator[Op, Any, bool]:
-        """One savepoint per message, so a failure undoes that message only.
+    def _handler_failed(
+        self, batch: Batch, span: Sequence[_Item], culprit: _Item, exc: Exception
+    ) -> AttemptReport:
+        """The culprit runs alone from now on; what precedes it commits first, without waiting."""
+        culprit.blamed = True
+        self._note_failure(culprit, exc)
+        before = span[: span.index(culprit)]
+        first = not any(item.result is None for item in before)
+        return self._report(batch, backoff=first and culprit.refused is None)
 
-        Returns True if a twin had committed a key this run wanted to claim.
-        """
-        lost = False
-        for item in fresh:
-            savepoint = yield Savepoint()
-            try:
-                if self.claim_first and not (yield from self._insert([item], [])):
-                    lost = True  # a twin committed it; the next lookup decides
-                else:
-                    yield CallHandler(item.message)
-                    handled.append(item)
-                    yield EndSavepoint(savepoint, commit=True)
-                    continue
-            except Exception as exc:  # the handler's or its statements' failure
-                self._note_failure(item, exc)
-            yield EndSavepoint(savepoint, commit=False)
-        return lost
+    def _transaction_failed(
+        self, batch: Batch, span: Sequence[_Item], exc: Exception
+    ) -> AttemptReport:
+        """A statement of ours or the COMMIT failed: a transient error charges every item of
+        the span (or an unreachable database would be retried forever); any other error
+        halves the span until it names its culprit (a deferred constraint fails at COMMIT)."""
+        undecided = [item for item in span if item.result is None]
+        if len(undecided) > 1 and self.policy.classify(exc) is not ErrorKind.TRANSIENT:
+            batch.limit = len(undecided) // 2
+            return self._report(batch, backoff=False)
+        for item in undecided:
+            item.blamed = item.blamed or len(undecided) == 1
+            self._note_failure(item, exc)
+        return self._report(batch, backoff=True)
+
+    def _report(self, batch: Batch, backoff: bool) -> AttemptReport:
+        if batch.ordered:
+            self._hold_back(batch)
+        pending = self._pending(batch.items)
+        return AttemptReport(pending=pending, backoff=pending and backoff)
+
+    @staticmethod
+    def _hold_back(batch: Batch) -> None:
+        """On an ordered source, everything behind a message to retry is retried with it."""
+        retried = [i for i, item in enumerate(batch.items) if _outcome(item) is Outcome.RETRY]
+        if not retried:
+            return
+        ahead = batch.items[retried[0]]
+        for item in batch.items[retried[0] + 1 :]:
+            if item.result is None:
+                item.decide(Outcome.RETRY, HeldBack(f"behind {ahead.key!r}, which is retried"))
 
     def finish(self, batch: Batch) -> list[Result]:
         """One Result per message, in the order given; followers take their leader's fate."""
@@ -274,7 +291,14 @@ class Pipeline:
         item.attempts += 1
         kind = self.policy.classify(exc)
         exhausted = item.attempts >= self.policy.attempts
-        if kind is ErrorKind.PERMANENT or (kind is ErrorKind.UNKNOWN and exhausted):
+        if item.refused is not None:  # its FAILED record did not commit
+            if exhausted and kind is ErrorKind.TRANSIENT:
+                item.decide(Outcome.RETRY, exc)
+            elif exhausted:
+                # Bounded even when the failure cannot be stored: dead-lettered unrecorded.
+                logger.error("FAILED %r could not be recorded: %s", item.key, describe(exc))
+                item.decide(Outcome.FAILED, item.refused)
+        elif kind is ErrorKind.PERMANENT or (kind is ErrorKind.UNKNOWN and exhausted):
             item.refused = exc
         elif exhausted:
             item.decide(Outcome.RETRY, exc)
@@ -292,3 +316,7 @@ class Pipeline:
         if leader.outcome in (Outcome.PROCESSED, Outcome.DUPLICATE):
             return Result(follower.message, Outcome.DUPLICATE)
         return Result(follower.message, leader.outcome, leader.error, leader.attempts)
+
+
+def _outcome(item: _Item) -> Outcome | None:
+    return None if item.result is None else item.result.outcome

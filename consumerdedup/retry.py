@@ -9,7 +9,7 @@ from datetime import timedelta
 import sqlalchemy.exc
 import tenacity
 
-from .errors import ConfigurationError, PermanentError, RetryLater
+from .errors import ConfigurationError, PermanentError, RetryLater, TransactionBroken
 
 # SQLSTATE classes that mean "the same statement can succeed if tried again":
 # connection exceptions, serialization failure, deadlock, and the server
@@ -57,6 +57,8 @@ class RetryPolicy:
             return ErrorKind.PERMANENT
         if isinstance(exc, self.transient):
             return ErrorKind.TRANSIENT
+        if isinstance(exc, TransactionBroken) and exc.cause is not None:
+            return self.classify(exc.cause)  # what the handler swallowed decides
         return classify(exc)
 
 

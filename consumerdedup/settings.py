@@ -7,7 +7,8 @@ from typing import Any
 
 import tenacity
 
-from .errors import ConfigurationError, PermanentError
+from .errors import ConfigurationError, InvalidMessage, PermanentError, describe
+from .message import validate_id
 from .observe import OutcomeCounts, log_result, logger
 from .ops import AttemptReport
 from .outcome import Outcome, Result
@@ -36,8 +37,11 @@ class DeduplicatorSettings:
         dead_letter: Callable[[Result], Any] | None = None,
         observers: Iterable[Observer] = (),
     ) -> None:
-        if not isinstance(consumer, str) or not consumer:
-            raise ConfigurationError("consumer must be a non-empty str naming this consumer")
+        try:
+            validate_id(consumer)
+        except InvalidMessage as exc:
+            # Stored beside every message id: a name the table cannot hold fails every message.
+            raise ConfigurationError(f"consumer name {consumer!r:.80} is unusable: {exc}") from None
         self.consumer = consumer
         self.tables = tables
         self.retry = retry if retry is not None else RetryPolicy()
@@ -74,7 +78,9 @@ class DeduplicatorSettings:
         return float(self._backoff(state)) if report.backoff else 0.0
 
     def dead_letter_failed(self, result: Result, exc: Exception) -> Result:
-        error = DeadLetterFailed(f"dead-letter callback raised {exc!r} for: {result.reason}")
+        error = DeadLetterFailed(
+            f"dead-letter callback raised {describe(exc)} for: {result.reason}"
+        )
         error.__cause__ = exc
         return Result(result.message, Outcome.RETRY, error, result.attempts)
 

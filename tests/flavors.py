@@ -18,6 +18,53 @@ from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Result
 
 Behavior = Callable[[Message], Sequence[tuple[str, dict[str, Any]]]]
 
+# A step's SQL may carry one of these, for handlers that misbehave as real ones do.
+SWALLOW = "swallow: "
+"""Prefix: run the statement and ignore its error (``except IntegrityError: pass``)."""
+NESTED = "nested: "
+"""Prefix: run it in ``session.begin_nested()`` and ignore its error (the right way)."""
+COMMIT = "session.commit()"
+ROLLBACK = "session.rollback()"
+
+
+def _step(sql: str) -> tuple[str, str]:
+    for prefix in (SWALLOW, NESTED):
+        if sql.startswith(prefix):
+            return prefix, sql[len(prefix) :]
+    return "", sql
+
+
+def run_step(session: Any, sql: str, params: dict[str, Any]) -> None:
+    if sql in (COMMIT, ROLLBACK):
+        session.commit() if sql == COMMIT else session.rollback()
+        return
+    how, sql = _step(sql)
+    try:
+        if how == NESTED:
+            with session.begin_nested():
+                session.execute(text(sql), params)
+        else:
+            session.execute(text(sql), params)
+    except Exception:
+        if not how:
+            raise
+
+
+async def run_step_async(session: Any, sql: str, params: dict[str, Any]) -> None:
+    if sql in (COMMIT, ROLLBACK):
+        await (session.commit() if sql == COMMIT else session.rollback())
+        return
+    how, sql = _step(sql)
+    try:
+        if how == NESTED:
+            async with session.begin_nested():
+                await session.execute(text(sql), params)
+        else:
+            await session.execute(text(sql), params)
+    except Exception:
+        if not how:
+            raise
+
 
 class SyncFlavor:
     name = "sync"
@@ -37,7 +84,7 @@ class SyncFlavor:
         @dedup.handler(claim_first=claim_first)
         def handle(message: Message, session: Any) -> None:
             for sql, params in behavior(message):
-                session.execute(text(sql), params)
+                run_step(session, sql, params)
 
         return _Runner(handle.process, handle.process_batch, dedup)
 
@@ -65,13 +112,13 @@ class AsyncFlavor:
         @dedup.handler(claim_first=claim_first)
         async def handle(message: Message, session: Any) -> None:
             for sql, params in behavior(message):
-                await session.execute(text(sql), params)
+                await run_step_async(session, sql, params)
 
         def process(message: Message) -> Result:
             return self.loop.run_until_complete(handle.process(message))
 
-        def process_batch(messages: Sequence[Message]) -> list[Result]:
-            return self.loop.run_until_complete(handle.process_batch(messages))
+        def process_batch(messages: Sequence[Message], **options: Any) -> list[Result]:
+            return self.loop.run_until_complete(handle.process_batch(messages, **options))
 
         return _Runner(process, process_batch, dedup)
 

@@ -44,7 +44,8 @@ class KafkaConsumerRunner(ConsumerRunner):
       acknowledged by the broker; then the partition's offset is committed up
       to the first RETRY record (or the first dead letter that could not be
       sent), never past it; the partition pauses for ``retry_backoff`` and is
-      re-read from that record. Records behind it come again as DUPLICATE.
+      re-read from that record. Nothing behind a RETRY record commits before
+      it: the records behind it are RETRY too, and come again after it.
     - A rebalance waits for the batch in flight to finish and commit; records
       fetched before it and not yet handled are dropped, the new owner reads
       them from the committed offset.
@@ -169,10 +170,12 @@ class KafkaConsumerRunner(ConsumerRunner):
         messages = [slot for slot in slots if isinstance(slot, Message)]
         if not messages:
             return [slot for slot in slots if isinstance(slot, Result)]
+        # A chunk is one partition's records in offset order: nothing commits behind a retry.
         if isinstance(self.handler, AsyncDedupHandler):
-            processed = iter(await self.handler.process_batch(messages))
+            processed = iter(await self.handler.process_batch(messages, ordered=True))
         else:
-            processed = iter(await asyncio.to_thread(self.handler.process_batch, messages))
+            batch = self.handler.process_batch
+            processed = iter(await asyncio.to_thread(batch, messages, ordered=True))
         return [slot if isinstance(slot, Result) else next(processed) for slot in slots]
 
     async def _refuse(self, message: Message, reason: str) -> Result:
