@@ -1,7 +1,7 @@
 """The one decision logic of the pipeline, as a generator.
 
 The logic never touches a database itself. It yields operations (run this
-statement, call the handler, open a savepoint, commit) and the sync and async
+statement, call the handler, commit, roll back) and the sync and async
 drivers carry them out, sending results back or throwing errors in. So the
 blocking and the asyncio deduplicators share every decision, statement and
 error rule, and differ only in whether they ``await``.
@@ -20,6 +20,7 @@ from .errors import (
     InvalidMessage,
     PayloadMismatch,
     RecordedFailure,
+    RetryLater,
     describe,
 )
 from .message import Message, payload_hash, validate_id
@@ -68,6 +69,8 @@ class Batch:
     """An ordered source: nothing commits behind a message that is to be retried."""
     limit: int | None = None
     """At most this many items in the next transaction: halved while a failure names no culprit."""
+    rounds: int = 0
+    """Attempts so far: past a budget, whatever is undecided ends RETRY, come what may."""
 
 
 class Pipeline:
@@ -151,7 +154,7 @@ class Pipeline:
             ):
                 # A twin committed one of these keys meanwhile: undo all, let the lookup decide.
                 yield Rollback()
-                return AttemptReport(pending=True, backoff=False)
+                return self._report(batch, backoff=False)
             yield Commit()
         except ConfigurationError:
             raise  # a wrong setup is no message's failure: the caller must hear of it
@@ -204,6 +207,14 @@ class Pipeline:
         return self._report(batch, backoff=True)
 
     def _report(self, batch: Batch, backoff: bool) -> AttemptReport:
+        batch.rounds += 1
+        # Every attempt decides, halves or charges something; the budget bounds the rest.
+        if batch.rounds >= len(batch.items) * (self.policy.attempts + 3) + 16:
+            for item in batch.items:
+                if item.result is None:
+                    item.decide(
+                        Outcome.RETRY, RetryLater(f"undecided after {batch.rounds} attempts")
+                    )
         if batch.ordered:
             self._hold_back(batch)
         pending = self._pending(batch.items)

@@ -326,3 +326,34 @@ def flavor_on(request: pytest.FixtureRequest, pg_any: Database) -> Iterator[obje
     chosen = flavor_class(pg_any, claim_first=mode == "claim")
     yield chosen
     chosen.close()
+
+
+def test_a_key_that_is_never_claimed_nor_found_still_ends_in_bounded_attempts() -> None:
+    """The decision logic alone, against a database that never answers a claim or a lookup:
+    whatever the cause, undecided messages end RETRY once the attempt budget is spent."""
+    from consumerdedup import Tables
+    from consumerdedup.ops import Execute
+    from consumerdedup.pipeline import Pipeline
+    from consumerdedup.statements import Statements
+
+    pipeline = Pipeline(Statements(Tables.define(), "postgresql"), "c", FAST, claim_first=True)
+    batch = pipeline.start([order("x1"), order("x2")])
+    rounds = 0
+    while True:
+        rounds += 1
+        assert rounds < 1000, "the pipeline never stopped attempting"
+        attempt, reply = pipeline.attempt(batch), None
+        try:
+            while True:
+                op = attempt.send(reply)
+                reply = (
+                    (set() if op.read is Statements.read_recorded else {})
+                    if isinstance(op, Execute)
+                    else None
+                )
+        except StopIteration as stop:
+            if not stop.value.pending:
+                break
+    results = pipeline.finish(batch)
+    assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY]
+    assert "undecided after" in (results[0].reason or "")
