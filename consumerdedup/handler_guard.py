@@ -28,7 +28,8 @@ _ADVICE = "wrap a statement that may fail in session.begin_nested(), so that onl
 
 @event.listens_for(Session, "before_commit")
 def _refuse_commit(session: Session) -> None:
-    if session.info.get(_HANDLER_RUNNING):
+    # A begin_nested() block's RELEASE fires before_commit too: that one is the handler's to make.
+    if session.info.get(_HANDLER_RUNNING) and not session.in_nested_transaction():
         raise CommitInHandler(
             "the handler called session.commit(): the pipeline commits the handler's "
             "writes together with the dedup record, so a handler must not commit"
