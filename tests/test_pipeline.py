@@ -257,20 +257,27 @@ def test_unknown_error_is_transient_until_attempts_run_out_then_permanent(
 
 
 def test_claim_first_records_the_key_before_the_handler(db: Any, flavor: Any) -> None:
+    """The handler's own session sees its claim; no other connection does before COMMIT."""
     ledger = db.create_ledger()
-    seen: list[bool] = []
+    seen_outside: list[int] = []
     pe = db.tables.processed_events.fullname
 
     def checks_claim(message: Message) -> list[tuple[str, dict[str, Any]]]:
         with db.engine.connect() as conn:
             # Another connection must not see the claim before commit.
-            seen.append(conn.exec_driver_sql(f"SELECT count(*) FROM {pe}").scalar() == 0)
-        return credit(ledger)(message)
+            seen_outside.append(conn.exec_driver_sql(f"SELECT count(*) FROM {pe}").scalar())
+        # Inside the handler's transaction: the credit is copied from the claim row, so the
+        # ledger gets a row only if the claim is already there (check-first: it is not yet).
+        from_claim = (
+            f"INSERT INTO {ledger} (account, amount, message_id) SELECT 'alice', 10, message_id "
+            f"FROM {pe} WHERE consumer = 'ledger' AND message_id = :m AND outcome = 'processed'"
+        )
+        return [(from_claim, {"m": message.id})]
 
     handle = flavor.wrap(checks_claim, claim_first=True, consumer="ledger")
     assert handle(payment("p-1")) is Outcome.PROCESSED
     assert handle(payment("p-1")) is Outcome.DUPLICATE
-    assert seen == [True]
+    assert seen_outside == [0]
     assert rows(db, ledger) == [("alice", 10, "p-1")]
 
 
