@@ -8,6 +8,7 @@ from typing import Any, overload
 
 import tenacity
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session
 
 from . import sqlite
 from .errors import PermanentError
@@ -58,10 +59,8 @@ class AsyncDeduplicator(DeduplicatorSettings):
         )
         self.engine = engine
         watch_errors(engine.sync_engine)
-        if session_factory is None:
-            ours = AsyncEngine(sqlite.prepare(engine.sync_engine))
-            session_factory = async_sessionmaker(ours, expire_on_commit=False)
-        self.session_factory = session_factory
+        self.session_factory = session_factory or async_sessionmaker(engine, expire_on_commit=False)
+        self.on_sqlite = engine.dialect.name == "sqlite"
 
     @overload
     def handler(self, fn: AsyncHandlerFn, /) -> AsyncDedupHandler: ...
@@ -131,6 +130,7 @@ class AsyncDedupHandler:
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
         reply: Any = None
         error: Exception | None = None
+        begin = self.dedup.on_sqlite
         while True:
             try:
                 op = attempt.send(reply) if error is None else attempt.throw(error)
@@ -138,6 +138,9 @@ class AsyncDedupHandler:
                 return stop.value  # type: ignore[no-any-return]
             reply, error = None, None
             try:
+                if begin:  # however the session was made; a failure here is the first op's
+                    begin = False
+                    await session.run_sync(_begin_immediate)
                 reply = await self._carry_out(op, session)
             except Exception as exc:
                 error = exc
@@ -173,3 +176,7 @@ class AsyncDedupHandler:
                 result = self.dedup.dead_letter_failed(result, exc)
         self.dedup.account(result)
         return result
+
+
+def _begin_immediate(session: Session) -> None:
+    sqlite.begin_immediate(session.connection())

@@ -59,9 +59,8 @@ class Deduplicator(DeduplicatorSettings):
         )
         self.engine = engine
         watch_errors(engine)
-        self.session_factory = session_factory or sessionmaker(
-            sqlite.prepare(engine), expire_on_commit=False
-        )
+        self.session_factory = session_factory or sessionmaker(engine, expire_on_commit=False)
+        self.on_sqlite = engine.dialect.name == "sqlite"
 
     @overload
     def handler(self, fn: HandlerFn, /) -> DedupHandler: ...
@@ -127,6 +126,7 @@ class DedupHandler:
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
         reply: Any = None
         error: Exception | None = None
+        begin = self.dedup.on_sqlite
         while True:
             try:
                 op = attempt.send(reply) if error is None else attempt.throw(error)
@@ -134,6 +134,9 @@ class DedupHandler:
                 return stop.value  # type: ignore[no-any-return]
             reply, error = None, None
             try:
+                if begin:  # however the session was made; a failure here is the first op's
+                    begin = False
+                    sqlite.begin_immediate(session.connection())
                 reply = self._carry_out(op, session)
             except Exception as exc:
                 error = exc

@@ -139,8 +139,7 @@ class Pruner(StopSwitch):
         self.consumers = selected
         self.windows = own
         self.outbox_keep = check_window(outbox_keep, "outbox_keep")
-        self.engine = sqlite.prepare(engine)  # batches: BEGIN IMMEDIATE on SQLite
-        self._reader = engine  # counts and checks: a plain BEGIN
+        self.engine = engine
         self.tables = tables
         self.batch_size = batch_size
         self.batch_pause = batch_pause
@@ -167,7 +166,7 @@ class Pruner(StopSwitch):
         shown = {**cutoffs, **({"*": others} if others is not None else {})}
         outbox_cutoff = None if self.outbox_keep is None else now - self.outbox_keep
         params = self.statements.params(cutoffs, others)
-        with (self._reader if self.dry_run else self.engine).connect() as conn:
+        with self.engine.connect() as conn:
             if self.dry_run:
                 report = self._count(conn, params, outbox_cutoff, shown)
                 report = replace(report, partitions=self._expired_partitions(conn, cutoffs, others))
@@ -235,7 +234,7 @@ class Pruner(StopSwitch):
         a consumer whose records all expired is not an error for a scheduled pruner.
         """
         names = sorted(set(self.consumers or ()) | set(self.windows))
-        with self._reader.connect() as conn:
+        with self.engine.connect() as conn:
             missing = [n for n in names if not self.statements.has_records(conn, n)]
             if not missing:
                 return
@@ -346,7 +345,7 @@ class Pruner(StopSwitch):
         lower = EARLIEST
         table = self.tables.processed_events.fullname
         while not self.stopping:
-            with conn.begin():
+            with sqlite.transaction(conn):  # BEGIN IMMEDIATE on SQLite
                 batch = self.statements.delete_batch(
                     conn, {**params, "lower": lower}, self.batch_size
                 )
@@ -362,7 +361,7 @@ class Pruner(StopSwitch):
         deleted = 0
         table = self.tables.outbox.fullname
         while cutoff is not None and not self.stopping:
-            with conn.begin():
+            with sqlite.transaction(conn):
                 count = self.statements.delete_outbox(conn, cutoff, self.batch_size)
             deleted += count
             self._tell(table, deleted, started)

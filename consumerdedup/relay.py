@@ -79,7 +79,7 @@ class OutboxRelay(StopSwitch):
         config: RelayConfig | None = None,
     ) -> None:
         super().__init__()
-        self.engine = sqlite.prepare(engine)
+        self.engine = engine
         self.publisher = publisher
         self.tables = tables
         self.config = config or RelayConfig()
@@ -103,7 +103,7 @@ class OutboxRelay(StopSwitch):
                 "(await asyncio.to_thread(relay.run_once), or relay.run)"
             )
         self._broker_trouble = False
-        with self.engine.connect() as conn, conn.begin():
+        with self.engine.connect() as conn, sqlite.transaction(conn):
             now = utcnow()
             rows = self.statements.claim(
                 conn, now, self.config.batch_size, self.config.max_attempts

@@ -1,41 +1,42 @@
-"""Make pysqlite transactions real, so savepoints and read-then-write work on SQLite.
+"""Make our transactions on SQLite real from their first statement, without touching the engine.
 
-By default the sqlite3 module issues BEGIN only before DML and treats
-SAVEPOINT outside a transaction as the outermost one, so releasing a batch's
-first savepoint would commit it. SQLAlchemy documents the fix: let SQLAlchemy
-emit BEGIN itself. Our own sessions ask for BEGIN IMMEDIATE, because every
-dedup transaction writes, and taking the write lock up front lets concurrent
-writers wait on busy_timeout instead of failing on a lock upgrade.
+By default the sqlite3 module (and aiosqlite over it) sends BEGIN only before
+INSERT, UPDATE or DELETE. A transaction that starts with a SELECT or a
+SAVEPOINT is then no transaction: a read-then-write is not isolated, and a
+SAVEPOINT opens a transaction of its own that its RELEASE commits (a handler's
+``session.begin_nested()`` would commit its writes ahead of the dedup record).
+
+SQLAlchemy documents a fix that hooks the engine ("connect" and "begin"). We
+do not install it: the application's engine is its own, it may already carry
+that recipe (a second BEGIN would fail every transaction), and sessions may
+come from the application's own ``session_factory``. Instead, once SQLAlchemy
+has begun one of our transactions, we ask the driver whether it is really in
+one; if not, we send ``BEGIN IMMEDIATE``. IMMEDIATE takes the write lock up
+front, because every dedup transaction writes: concurrent writers then wait on
+the busy timeout instead of failing on a lock upgrade. If the engine already
+sent a BEGIN of its own (the recipe, or ``autocommit=False`` on Python 3.12+),
+that transaction is used as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from sqlalchemy import Engine, event
-
-BEGIN_OPTION = "consumerdedup_sqlite_begin"
-_PREPARED = "_consumerdedup_sqlite_prepared"
+from sqlalchemy import Connection
 
 
-def prepare(engine: Engine) -> Engine:
-    """Install the transaction fix once on a SQLite engine; returns an engine for our sessions."""
-    if engine.dialect.name != "sqlite":
-        return engine
-    if not getattr(engine, _PREPARED, False):
-        event.listen(engine, "connect", _autocommit_driver)
-        event.listen(engine, "begin", _begin)
-        setattr(engine, _PREPARED, True)
-    return engine.execution_options(**{BEGIN_OPTION: "BEGIN IMMEDIATE"})
+def begin_immediate(conn: Connection) -> None:
+    """After SQLAlchemy began ``conn``'s transaction: make sure SQLite did too."""
+    if conn.dialect.name != "sqlite":
+        return
+    if not conn.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _autocommit_driver(dbapi_connection: Any, _record: Any) -> None:
-    dbapi_connection.isolation_level = None
-
-
-def _begin(conn: Any) -> None:
-    dbapi_connection = conn.connection.dbapi_connection
-    # Connections pooled before prepare() ran never saw the connect hook.
-    if dbapi_connection.isolation_level is not None:
-        dbapi_connection.isolation_level = None
-    conn.exec_driver_sql(conn.get_execution_options().get(BEGIN_OPTION, "BEGIN"))
+@contextmanager
+def transaction(conn: Connection) -> Iterator[Connection]:
+    """``conn.begin()`` that is a real, write-locked transaction on SQLite."""
+    with conn.begin():
+        begin_immediate(conn)
+        yield conn
