@@ -1,10 +1,13 @@
 """OutboxRelay: publishes committed outbox rows at least once, in per-key order.
 
-One round is one transaction: claim the rows this relay alone may publish
-(per-key advisory locks and SKIP LOCKED on PostgreSQL), publish them in id
-order waiting for each confirmation, mark them published, commit. A crash
-after a confirmation and before the commit publishes those rows again: each
-carries its ``event_id``, which the next consumer dedups.
+On PostgreSQL one round is one transaction: claim the rows this relay alone
+may publish (per-key advisory locks and SKIP LOCKED), publish them in id order
+waiting for each confirmation, mark them published, commit. On SQLite a write
+transaction locks the whole database, so the round never waits on the broker
+inside one: read the rows, publish them, then mark them in a short write
+transaction. Either way a crash after a confirmation and before the marks
+commit publishes those rows again: each carries its ``event_id``, which the
+next consumer dedups.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import inspect
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -80,6 +84,7 @@ class OutboxRelay(StopSwitch):
     ) -> None:
         super().__init__()
         self.engine = engine
+        self.postgres = engine.dialect.name == "postgresql"
         self.publisher = publisher
         self.tables = tables
         self.config = config or RelayConfig()
@@ -103,30 +108,46 @@ class OutboxRelay(StopSwitch):
                 "(await asyncio.to_thread(relay.run_once), or relay.run)"
             )
         self._broker_trouble = False
-        with self.engine.connect() as conn, sqlite.transaction(conn):
-            now = utcnow()
-            rows = self.statements.claim(
-                conn, now, self.config.batch_size, self.config.max_attempts
-            )
-            done: list[int] = []
-            held_keys: set[str] = set()
-            for row in rows:
-                if row.key is not None and row.key in held_keys:
-                    continue  # an older row of this key failed in this round: keep the order
-                error = self._publish(row)
-                if error is None:
-                    done.append(row.id)
-                elif self._broker_trouble:
-                    # The broker is away, not refusing this row: charge no attempt (a long
-                    # outage must not park healthy events), end the round, back off.
-                    logger.warning("broker unavailable: %s; backing off", describe(error))
-                    break
-                else:
-                    if row.key is not None:
-                        held_keys.add(row.key)
-                    self._fail(conn, row, error)
+        with self.engine.connect() as conn:
+            if self.postgres:  # the key locks taken by the claim hold until the marks commit
+                with conn.begin():
+                    done = self._round(conn, self._claim(conn))
+            else:
+                with conn.begin():  # reads only: SQLite takes no write lock
+                    rows = self._claim(conn)
+                done = self._round(conn, rows)
+        self.published += done
+        return done
+
+    def _claim(self, conn: Any) -> list[Any]:
+        return self.statements.claim(
+            conn, utcnow(), self.config.batch_size, self.config.max_attempts
+        )
+
+    def _round(self, conn: Any, rows: list[Any]) -> int:
+        """Publish ``rows`` in order, then mark what became of them; returns the count sent."""
+        done: list[int] = []
+        failed: list[tuple[Any, BaseException]] = []
+        held_keys: set[str] = set()
+        for row in rows:
+            if row.key is not None and row.key in held_keys:
+                continue  # an older row of this key failed in this round: keep the order
+            error = self._publish(row)
+            if error is None:
+                done.append(row.id)
+            elif self._broker_trouble:
+                # The broker is away, not refusing this row: charge no attempt (a long
+                # outage must not park healthy events), end the round, back off.
+                logger.warning("broker unavailable: %s; backing off", describe(error))
+                break
+            else:
+                if row.key is not None:
+                    held_keys.add(row.key)
+                failed.append((row, error))
+        with nullcontext() if self.postgres else sqlite.transaction(conn):
+            for row, error in failed:
+                self._fail(conn, row, error)
             self.statements.mark_published(conn, done, utcnow(), self.config.delete_published)
-        self.published += len(done)
         return len(done)
 
     def drain(self) -> int:
