@@ -4,6 +4,8 @@ Runner contract (each sentence has a scenario in tests/conformance.py):
 - A message delivered twice is applied once, and every delivery is acked.
 - A crash between commit and ack leaves the message with the broker, and its
   redelivery is acked as a DUPLICATE.
+- A runner that dies (in a handler, or before acking a batch) leaves everything
+  it held with the broker; a restarted runner gets all of it.
 - A message that must be retried is not acked and is delivered again.
 - A message that fails permanently is dead-lettered with its reason, then acked,
   and the messages after it are processed.

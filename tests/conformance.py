@@ -70,6 +70,8 @@ class Ledger:
         with self._lock:
             self.calls.append(message.id)
             seen = self.calls.count(message.id)
+        if data.get("die") and seen == 1:
+            raise SimulatedCrash("the consumer process died inside the handler")
         if data.get("fail") == "permanent":
             raise PermanentError("poison: refused by the handler")
         if seen <= data.get("retry_times", 0):
@@ -116,6 +118,40 @@ class RunnerContract:
         harness.consume(ledger.behavior)  # the restarted consumer
         assert ledger.applied() == ["m-1"]
         assert ledger.calls == ["m-1"]  # the redelivery did not reach the handler
+        assert harness.held() == 0
+
+    def test_a_runner_that_dies_mid_batch_loses_nothing(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        # The runner dies in a handler with deliveries fetched, committed or not: the
+        # broker must give every one of them to the restarted runner.
+        ids = [f"m-{i}" for i in range(6)]
+        for mid in ids:
+            harness.publish(mid, body(1, die=mid == "m-3"))
+        batch_size = 2 if harness.capabilities.batches else 1
+        with pytest.raises(SimulatedCrash):
+            harness.consume(ledger.behavior, batch_size=batch_size)
+        applied = ledger.applied()
+        assert "m-3" not in applied
+        assert harness.held() == len(ids) - len(applied)
+        harness.consume(ledger.behavior, batch_size=batch_size)  # the restarted runner
+        assert sorted(ledger.applied()) == ids
+        assert harness.held() == 0
+
+    def test_a_runner_that_dies_before_acking_a_batch_loses_nothing(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        ids = [f"m-{i}" for i in range(5)]
+        for mid in ids:
+            harness.publish(mid, body(1))
+        batch_size = 2 if harness.capabilities.batches else 1
+        with pytest.raises(SimulatedCrash):
+            harness.consume(ledger.behavior, batch_size=batch_size, crash_after_commit=True)
+        committed = ledger.applied()
+        assert committed and harness.held() == len(ids)  # committed, but nothing acked
+        harness.consume(ledger.behavior, batch_size=batch_size)
+        assert sorted(ledger.applied()) == ids
+        assert sorted(ledger.calls) == ids  # the committed ones came back as DUPLICATE
         assert harness.held() == 0
 
     def test_a_message_to_retry_is_not_acked_and_comes_back(

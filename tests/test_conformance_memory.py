@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 
-from consumerdedup import Deduplicator, Message, RetryPolicy
+from consumerdedup import Deduplicator, Message, Result, RetryPolicy, SimulatedCrash
 from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
 from consumerdedup.testing.memory_broker import REASON_HEADER
 from tests.conformance import Capabilities, RunnerContract
 from tests.flavors import Behavior
 
 QUICK_RETRY = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
+
+
+def crash(results: Sequence[Result]) -> None:
+    raise SimulatedCrash("died between commit and ack")
 
 
 class MemoryHarness:
@@ -30,7 +34,9 @@ class MemoryHarness:
     def publish(self, message_id: str | None, body: bytes) -> None:
         self.broker.publish(self.source, body, message_id=message_id)
 
-    def _runner(self, behavior: Behavior, batch_size: int) -> MemoryConsumerRunner:
+    def _runner(
+        self, behavior: Behavior, batch_size: int, crash_after_commit: bool = False
+    ) -> MemoryConsumerRunner:
         dedup = Deduplicator(
             self.db.engine, consumer="ledger", tables=self.db.tables, retry=QUICK_RETRY
         )
@@ -41,15 +47,19 @@ class MemoryHarness:
                 session.execute(text(sql), params)
 
         return MemoryConsumerRunner(
-            self.broker, self.source, handle, batch_size=batch_size, retry_delay=0.0
+            self.broker,
+            self.source,
+            handle,
+            batch_size=batch_size,
+            retry_delay=0.0,
+            before_ack=crash if crash_after_commit else None,
         )
 
     def consume(
         self, behavior: Behavior, *, batch_size: int = 1, crash_after_commit: bool = False
     ) -> None:
-        if crash_after_commit:
-            self.broker.crash_before_ack()
-        self._runner(behavior, batch_size).run(until_idle=True)
+        # The runner itself dies, as the adapters' do: the broker must notice.
+        self._runner(behavior, batch_size, crash_after_commit).run(until_idle=True)
 
     def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
         runner = self._runner(behavior, batch_size)

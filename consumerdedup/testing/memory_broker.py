@@ -177,6 +177,10 @@ class MemoryBroker:
 
     def crash(self, consumer: str) -> None:
         """A consumer died: everything it held unacked is delivered again."""
+        self.disconnect(consumer)
+
+    def disconnect(self, consumer: str) -> None:
+        """A consumer went away (stopped or died): what it held unacked is delivered again."""
         with self._lock:
             self._requeue_consumer(consumer)
 

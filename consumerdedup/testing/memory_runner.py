@@ -48,7 +48,18 @@ class MemoryConsumerRunner(ConsumerRunner):
         self.name = name or f"memory-consumer-{next(_names)}"
 
     def run(self, *, until_idle: bool = False) -> None:
-        """Consume until stop(), or with ``until_idle`` until the source is empty."""
+        """Consume until stop(), or with ``until_idle`` until the source is empty.
+
+        However it ends (stopped, or dead from SimulatedCrash or KeyboardInterrupt),
+        the broker gets back what this runner held unacked, as RabbitMQ does when a
+        consumer's connection closes and Kafka when a group member leaves.
+        """
+        try:
+            self._consume(until_idle)
+        finally:
+            self.broker.disconnect(self.name)
+
+    def _consume(self, until_idle: bool) -> None:
         while not self.stopping:
             wait = 0.0 if until_idle else self.poll_interval
             deliveries = self.broker.fetch(
