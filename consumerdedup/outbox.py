@@ -106,7 +106,7 @@ class Outbox:
         if not isinstance(body, bytes | bytearray):
             raise ConfigurationError(f"body must be bytes, got {type(body).__name__}")
         event_id = new_event_id()
-        merged = {str(k): str(v) for k, v in (headers or {}).items()}
+        merged = _checked_headers(headers)
         merged[ID_HEADER] = event_id
         now = utcnow()
         return {
@@ -119,6 +119,27 @@ class Outbox:
             "available_at": now,
             "attempts": 0,
         }
+
+
+def _checked_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """A copy of ``headers``, refused unless every name and value is a str.
+
+    Anything else has no single right text: None would arrive as "None", bytes
+    as their repr, so the caller must say what it means.
+    """
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise ConfigurationError(
+            f"headers must be a mapping of str to str, not {type(headers).__name__}"
+        )
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise ConfigurationError(
+                f"header {name!r} must be str -> str, not "
+                f"{type(name).__name__} -> {type(value).__name__}: convert it yourself"
+            )
+    return dict(headers)
 
 
 def _key_lock(table: Table) -> Any:
