@@ -5,7 +5,8 @@
 Records carry their id in the ``event_id`` header and a JSON body such as
 ``{"account": "alice", "amount": 25}``. Settings from the environment:
 KAFKA_BOOTSTRAP (default localhost:9092), CONSUMERDEDUP_DB_URL (default the
-local ``test`` database), KAFKA_GROUP (default: the consumer name),
+local ``test`` database), EXAMPLE_SCHEMA (where the tables go, default
+example_kafka), KAFKA_GROUP (default: the consumer name),
 KAFKA_IDEMPOTENCE=0 for brokers without idempotent producers (Tansu),
 UNTIL_IDLE=1 to stop once the group has caught up. SIGTERM or Ctrl-C: the
 batch in flight finishes and commits, then it exits 0.
@@ -24,16 +25,18 @@ from consumerdedup.adapters.kafka import KafkaConfig, KafkaConsumerRunner
 TOPIC = sys.argv[1] if len(sys.argv) > 1 else "payments"
 BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP", "localhost:9092")
 DB_URL = os.environ.get("CONSUMERDEDUP_DB_URL", "postgresql+psycopg://postgres@127.0.0.1/test")
+SCHEMA = os.environ.get("EXAMPLE_SCHEMA", "example_kafka")
 
 
 async def main() -> None:
     engine = create_async_engine(DB_URL)
-    tables = Tables.define("example_kafka.processed_events", "example_kafka.outbox")
+    tables = Tables.define(f"{SCHEMA}.processed_events", f"{SCHEMA}.outbox")
     async with engine.begin() as conn:
         await conn.run_sync(install, tables)  # the schema and tables, if missing
+        # No unique key on purpose: only the deduplicator keeps a payment from counting twice.
         await conn.execute(
             text(
-                "CREATE TABLE IF NOT EXISTS example_kafka.payments "
+                f"CREATE TABLE IF NOT EXISTS {SCHEMA}.payments "
                 "(event_id TEXT, account TEXT, amount INT)"
             )
         )
@@ -44,7 +47,7 @@ async def main() -> None:
     async def record_payment(message: Message, session: AsyncSession) -> None:
         payment = message.json()  # not JSON: DecodeError, the record goes to <topic>.dlq
         await session.execute(
-            text("INSERT INTO example_kafka.payments VALUES (:id, :account, :amount)"),
+            text(f"INSERT INTO {SCHEMA}.payments VALUES (:id, :account, :amount)"),
             {"id": message.id, "account": payment["account"], "amount": payment["amount"]},
         )
 

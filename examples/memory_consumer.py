@@ -15,7 +15,8 @@ from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
 engine = create_engine("sqlite://")
 install(engine)
 with engine.begin() as conn:
-    conn.execute(text("CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER)"))
+    # No unique key on purpose: only the deduplicator keeps an order from being placed twice.
+    conn.execute(text("CREATE TABLE orders (id TEXT, total INTEGER)"))
 
 dedup = Deduplicator(engine, consumer="orders")
 
@@ -40,6 +41,8 @@ for _ in range(2):  # the crash, then the restarted consumer
         print("consumer crashed between commit and ack; restarting")
 
 with engine.connect() as conn:
-    count = conn.execute(text("SELECT count(*) FROM orders")).scalar()
-print(f"deliveries: {broker.delivered}, orders: {count}, counts: {dedup.counts}")
-assert count == 100
+    count, distinct = conn.execute(text("SELECT count(*), count(DISTINCT id) FROM orders")).one()
+dead_letters = broker.messages("orders.dlq")
+print(f"deliveries: {broker.delivered}, counts: {dedup.counts}")
+print(f"orders: {count} ({distinct} distinct), dead letters: {len(dead_letters)}")
+assert count == distinct == 100 and not dead_letters  # each order once, none given up on
