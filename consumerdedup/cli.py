@@ -2,7 +2,8 @@
 
 Bad input is one line on stderr and exit 2 (usage) or 1 (runtime); a traceback
 only with ``--verbose``. Passwords in URLs are never printed: URLs are shown
-masked, and every error and log line is scrubbed of the password first.
+masked, and every error and log line has its passwords masked where they
+stand (see redact.py); the URLs given travel as ``args.secrets``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import importlib
 import json
 import logging
 import os
-import re
 import sys
 import traceback
 import warnings
@@ -26,13 +26,12 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from .errors import ConfigurationError, describe
 from .partitions import DayPartitions
+from .redact import Secrets, shown
 from .schema import Tables, ddl, install
 
 PROG = "consumerdedup"
 ENV_URL = "CONSUMERDEDUP_DB_URL"
 SUPPORTED = ("postgresql", "sqlite")
-_USERINFO = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")  # ://user:password@
-_SECRETS: set[str] = set()
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +48,13 @@ class UsageError(CommandError):
     code = 2
 
 
-def scrub(text: str) -> str:
-    """``text`` without any known password, nor any ``://user:password@``."""
-    for secret in sorted(_SECRETS, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return _USERINFO.sub(r"\1***@", text)
-
-
 class _ScrubbingFormatter(logging.Formatter):
+    def __init__(self, fmt: str, secrets: Secrets) -> None:
+        super().__init__(fmt)
+        self.secrets = secrets
+
     def format(self, record: logging.LogRecord) -> str:
-        return scrub(super().format(record))
+        return self.secrets.scrub(super().format(record))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,11 +65,10 @@ class _Parser(argparse.ArgumentParser):
 # --- database and tables -------------------------------------------------------------------
 
 
-def parse_url(raw: str | None) -> URL:
+def parse_url(raw: str | None, secrets: Secrets) -> URL:
     """The URL from --db or the environment, validated; bare postgresql gets psycopg 3."""
     if not raw:
         raise UsageError(f"no database: pass --db URL or set {ENV_URL}")
-    _SECRETS.add(raw)  # until it parses, any part of it may be the password
     try:
         url = make_url(raw)
     except (ArgumentError, ValueError):  # their messages and tracebacks show the raw URL
@@ -81,10 +76,7 @@ def parse_url(raw: str | None) -> URL:
             "could not parse the database URL; expected e.g. "
             "postgresql://user@host:5432/db or sqlite:///path/to/file.db"
         ) from None
-    _SECRETS.discard(raw)
-    query_passwords = [v for k, v in url.query.items() if "pass" in k.lower()]  # ?password=
-    for secret in [url.password, *query_passwords]:
-        _SECRETS.update([secret] if isinstance(secret, str) else secret or ())
+    secrets.add_url(raw, url)
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
     if url.get_backend_name() not in SUPPORTED:
@@ -93,10 +85,6 @@ def parse_url(raw: str | None) -> URL:
             f"only {' and '.join(SUPPORTED)} are supported"
         )
     return url
-
-
-def shown(url: URL) -> str:
-    return scrub(url.render_as_string(hide_password=True))
 
 
 def _setup(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
@@ -109,7 +97,7 @@ def _setup(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
         )
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
-    url = parse_url(args.db)
+    url = parse_url(args.db, args.secrets)
     log.debug("database %s, tables %s", shown(url), _names(tables.all))
     try:
         return url, create_engine(url), tables
@@ -328,10 +316,10 @@ def _show_warning(
     log.warning("%s: %s", category.__name__, message)  # one line, scrubbed by the formatter
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, secrets: Secrets) -> None:
     handler = logging.StreamHandler(sys.stderr)
     detail = "%(asctime)s %(levelname)s %(name)s" if verbose else PROG + ": %(levelname)s"
-    handler.setFormatter(_ScrubbingFormatter(detail + ": %(message)s"))
+    handler.setFormatter(_ScrubbingFormatter(detail + ": %(message)s", secrets))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler])
     warnings.showwarning = _show_warning
     if verbose:  # SQLAlchemy quiets itself to WARNING; INFO shows the SQL it runs
@@ -340,15 +328,16 @@ def _setup_logging(verbose: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    args.secrets = secrets = Secrets()
+    _setup_logging(args.verbose, secrets)
     try:
         code: int = args.run(args)
         return code
     except (Exception, KeyboardInterrupt) as error:
         if args.verbose:
-            sys.stderr.write(scrub(traceback.format_exc()))
+            sys.stderr.write(secrets.scrub(traceback.format_exc()))
         text = "interrupted" if isinstance(error, KeyboardInterrupt) else _message(error)
-        sys.stderr.write(f"{PROG}: error: {' '.join(scrub(text).split())}\n")
+        sys.stderr.write(f"{PROG}: error: {' '.join(secrets.scrub(text).split())}\n")
         if isinstance(error, KeyboardInterrupt):
             return 130
         return error.code if isinstance(error, CommandError) else 1

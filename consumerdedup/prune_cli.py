@@ -18,9 +18,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import durations
-from .cli import _SECRETS, CommandError, UsageError, _missing, _names, _setup, shown
+from .cli import CommandError, UsageError, _missing, _names, _setup
 from .errors import ConfigurationError, describe
 from .pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
+from .redact import shown
 from .windows import BrokerRetention, RetentionUnknown, UnknownConsumer
 
 PROGRESS_EVERY = "5s"
@@ -132,8 +133,7 @@ def _broker_retention(args: argparse.Namespace) -> BrokerRetention | None:
             "name them with --consumer NAME (repeatable)"
         )
     if args.rabbitmq:
-        password = urlsplit(args.rabbitmq).password
-        _SECRETS.update([password] if password else [])
+        args.secrets.add_url(args.rabbitmq)
     if not args.verbose:  # the drivers log each failed connection attempt: one line is enough
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
         logging.getLogger("pika").setLevel(logging.CRITICAL)

@@ -13,8 +13,9 @@ import logging
 from typing import Any
 
 from . import durations
-from .cli import _SECRETS, CommandError, UsageError, _missing, _names, _setup, shown
+from .cli import CommandError, UsageError, _missing, _names, _setup
 from .errors import ConfigurationError, describe
+from .redact import shown
 from .relay import OutboxRelay, RelayConfig
 
 log = logging.getLogger(__name__)
@@ -60,17 +61,8 @@ def _publisher(args: argparse.Namespace) -> Any:
         raise UsageError(describe(error)) from None
     if args.kafka:
         return adapter.KafkaPublisher(args.kafka, enable_idempotence=not args.no_idempotence)
-    _SECRETS.update(p for p in [_amqp_password(args.amqp)] if p)
+    args.secrets.add_url(args.amqp)
     return adapter.RabbitPublisher(args.amqp)
-
-
-def _amqp_password(url: str) -> str | None:
-    from urllib.parse import urlsplit
-
-    try:
-        return urlsplit(url).password
-    except ValueError:
-        return None
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
