@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from . import sqlite
 from .errors import PermanentError
-from .handler_guard import HandlerCall, watch_errors
+from .handler_guard import HandlerCall, guard
 from .message import Message
 from .ops import (
     Attempt,
@@ -58,7 +58,7 @@ class AsyncDeduplicator(DeduplicatorSettings):
             observers=observers,
         )
         self.engine = engine
-        watch_errors(engine.sync_engine)
+        guard(engine.sync_engine)
         self.session_factory = session_factory or async_sessionmaker(engine, expire_on_commit=False)
         self.on_sqlite = engine.dialect.name == "sqlite"
 
@@ -162,6 +162,7 @@ class AsyncDedupHandler:
         call = HandlerCall(session.sync_session, connection)
         try:
             await self.fn(message, session)
+            await session.flush()  # a pending ORM write fails now, charged to its own message
         finally:
             call.finish()
         call.verify()

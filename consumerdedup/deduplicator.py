@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
@@ -10,8 +11,8 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import sqlite
-from .errors import PermanentError
-from .handler_guard import HandlerCall, watch_errors
+from .errors import ConfigurationError, PermanentError
+from .handler_guard import HandlerCall, guard
 from .message import Message
 from .ops import (
     Attempt,
@@ -29,6 +30,8 @@ from .schema import DEFAULT, Tables
 from .settings import DeduplicatorSettings, Observer
 
 HandlerFn = Callable[[Message, Session], Any]
+
+_ASYNC_HANDLER = "{!r} is a coroutine function: wrap it with AsyncDeduplicator, not Deduplicator"
 
 
 class Deduplicator(DeduplicatorSettings):
@@ -58,7 +61,7 @@ class Deduplicator(DeduplicatorSettings):
             observers=observers,
         )
         self.engine = engine
-        watch_errors(engine)
+        guard(engine)
         self.session_factory = session_factory or sessionmaker(engine, expire_on_commit=False)
         self.on_sqlite = engine.dialect.name == "sqlite"
 
@@ -81,6 +84,8 @@ class DedupHandler:
     """A wrapped handler: call it with a Message, get an Outcome."""
 
     def __init__(self, dedup: Deduplicator, fn: HandlerFn, claim_first: bool) -> None:
+        if inspect.iscoroutinefunction(fn):
+            raise ConfigurationError(_ASYNC_HANDLER.format(fn))
         self.dedup = dedup
         self.fn = fn
         self.pipeline: Pipeline = dedup.pipeline(claim_first)
@@ -155,7 +160,11 @@ class DedupHandler:
     def _call(self, message: Message, session: Session) -> None:
         call = HandlerCall(session, session.connection())
         try:
-            self.fn(message, session)
+            returned = self.fn(message, session)
+            if inspect.iscoroutine(returned):  # an async callable that is no coroutine function
+                returned.close()
+                raise ConfigurationError(_ASYNC_HANDLER.format(self.fn))
+            session.flush()  # a pending ORM write fails now, charged to its own message
         finally:
             call.finish()
         call.verify()

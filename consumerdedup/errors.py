@@ -92,17 +92,27 @@ class SimulatedCrash(BaseException):
 REASON_LIMIT = 1000
 """Longest reason kept: it travels in log lines, the error column and broker headers."""
 
-_QUOTED = re.compile(r'"[^"]*"')
+_QUOTED = re.compile(r'".*"', re.DOTALL)
+"""From the first double quote to the last: a quoted value may itself hold quotes."""
+_QUOTED_NAME = re.compile(r'"[^"]*"')
+"""Integrity errors (SQLSTATE class 23) quote only names; their values are in DETAIL."""
+_NUMBER = re.compile(r"\d{4,}")
+_DIAG_NAMES = ("schema_name", "table_name", "column_name", "constraint_name")
 
 
 def describe(error: BaseException) -> str:
     """``Type: text`` on one line, for logs, dead-letter headers and the error column.
 
-    Never the statement's bound parameters, nor the values a database quotes
-    back in its detail lines: a reason is logged and sent to other systems.
-    The text is storable (no NUL, no lone surrogate) and at most REASON_LIMIT long.
+    Never the statement's bound parameters, nor what a database quotes back
+    (values in DETAIL lines, in quotes, long numbers): a reason is logged and
+    sent to other systems. The text is storable (no NUL, no lone surrogate)
+    and at most REASON_LIMIT long. It never raises.
     """
-    text = " ".join(_text(error).split())
+    try:
+        text = _text(error)
+    except Exception:  # a str() that raises must not take the pipeline with it
+        text = "(its message could not be read)"
+    text = " ".join(text.split())
     text = text.replace("\x00", "\\0").encode("utf-8", "backslashreplace").decode("utf-8")
     name = type(error).__name__
     line = f"{name}: {text}" if text else name
@@ -111,25 +121,28 @@ def describe(error: BaseException) -> str:
 
 def _text(error: BaseException) -> str:
     # SQLAlchemy's str() appends "[SQL: ...] [parameters: ...]": the driver's own error only.
-    driver_error = getattr(error, "orig", None)
-    if driver_error is not None and _is_statement_error(error):
-        return _driver_text(driver_error)
-    if _is_statement_error(error):
+    if isinstance(error, sqlalchemy.exc.StatementError):
+        if error.orig is not None:
+            return _driver_text(error.orig)
         return str(error.args[0]) if error.args else ""
-    return _driver_text(error)
+    if _is_driver_error(error):
+        return _driver_text(error)
+    return str(error)
 
 
-def _is_statement_error(error: BaseException) -> bool:
-    return isinstance(error, sqlalchemy.exc.StatementError)
+def _is_driver_error(error: BaseException) -> bool:
+    return hasattr(error, "sqlstate") or hasattr(error, "sqlite_errorname")
 
 
 def _driver_text(error: BaseException) -> str:
-    """A DB-API error's primary message: PostgreSQL's DETAIL lines quote row values."""
+    """A DB-API error's primary message with what it quotes masked; the names of the
+    schema, table, column and constraint (PostgreSQL reports them apart) kept."""
     diag = getattr(error, "diag", None)
-    primary = getattr(diag, "message_primary", None)
-    if not primary:
-        return str(error)
-    state = getattr(error, "sqlstate", None) or ""
-    if state.startswith("22"):  # data exceptions quote the rejected input value
-        primary = _QUOTED.sub('"..."', primary)
-    return f"{primary} (SQLSTATE {state})" if state else primary
+    text = getattr(diag, "message_primary", None) or str(error)
+    state = getattr(error, "sqlstate", None)
+    quoted = _QUOTED_NAME if (state or "").startswith("23") else _QUOTED
+    text = _NUMBER.sub("...", quoted.sub('"..."', text))
+    facts = [f"{n.removesuffix('_name')} {v}" for n in _DIAG_NAMES if (v := getattr(diag, n, None))]
+    if state:
+        facts.insert(0, f"SQLSTATE {state}")
+    return f"{text} ({'; '.join(facts)})" if facts else text

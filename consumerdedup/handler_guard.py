@@ -1,16 +1,20 @@
 """What a handler must not do to the pipeline's transaction, and how the drivers catch it.
 
 A handler's writes commit with the dedup record only if the transaction is
-still the pipeline's, and still alive, when the handler returns. Two everyday
-idioms break that silently: catching a database error and going on (PostgreSQL
-aborts the transaction and answers the later COMMIT with ROLLBACK, raising
-nothing), and ending the transaction (``session.commit()``, ``rollback()``,
-``close()``). The first is caught after the call and reported with the error
-the handler swallowed; a commit is refused inside the call, before it happens.
+still the pipeline's, and still alive, when the handler returns. Everyday
+idioms break that silently: catching a database error and going on
+(PostgreSQL aborts the transaction and answers the later COMMIT with ROLLBACK,
+raising nothing; SQLite's ON CONFLICT ROLLBACK ends it, and later statements
+then commit one by one), and ending the transaction (``session.commit()``,
+``rollback()``, ``close()``, a COMMIT or ROLLBACK sent as SQL). Commits and
+transaction-control SQL are refused while a handler runs; everything else is
+caught when it returns and reported with the error the handler swallowed.
+Not caught: the raw DB-API connection's own ``commit()``/``rollback()``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
@@ -21,32 +25,65 @@ from .errors import CommitInHandler, TransactionBroken, describe
 
 _HANDLER_RUNNING = "consumerdedup.handler_running"
 _LAST_ERROR = "consumerdedup.last_error"
-_WATCHED = "_consumerdedup_errors_watched"
+_ENDED = "consumerdedup.transaction_ended"
+_GUARDED = "_consumerdedup_guarded"
 
 _ADVICE = "wrap a statement that may fail in session.begin_nested(), so that only it is undone"
+_NO_COMMIT = (
+    "the pipeline commits the handler's writes together with the dedup record, so a "
+    "handler must not commit"
+)
+_CONTROL = re.compile(
+    r"\s*(COMMIT|END|ABORT|BEGIN|START\s+TRANSACTION|PREPARE\s+TRANSACTION|ROLLBACK(?!\s+TO\b))\b",
+    re.IGNORECASE,
+)
 
 
 @event.listens_for(Session, "before_commit")
 def _refuse_commit(session: Session) -> None:
     # A begin_nested() block's RELEASE fires before_commit too: that one is the handler's to make.
     if session.info.get(_HANDLER_RUNNING) and not session.in_nested_transaction():
-        raise CommitInHandler(
-            "the handler called session.commit(): the pipeline commits the handler's "
-            "writes together with the dedup record, so a handler must not commit"
-        )
+        raise CommitInHandler(f"the handler called session.commit(): {_NO_COMMIT}")
 
 
-def watch_errors(engine: Engine) -> None:
-    """Remember each connection's last database error, to name what a handler swallowed."""
-    if getattr(engine, _WATCHED, False):
+def guard(engine: Engine) -> None:
+    """Watch the engine's connections while handlers run on them (once per engine)."""
+    if getattr(engine, _GUARDED, False):
         return
-    event.listen(engine, "handle_error", _remember)
-    setattr(engine, _WATCHED, True)
+    event.listen(engine, "handle_error", _on_error)
+    event.listen(engine, "before_cursor_execute", _before_statement)
+    event.listen(engine, "commit", _on_commit)
+    setattr(engine, _GUARDED, True)
 
 
-def _remember(context: ExceptionContext) -> None:
-    if context.connection is not None:
-        context.connection.info[_LAST_ERROR] = context.sqlalchemy_exception
+def _on_error(context: ExceptionContext) -> None:
+    conn = context.connection
+    if conn is None:
+        return
+    conn.info[_LAST_ERROR] = context.sqlalchemy_exception
+    if conn.info.get(_HANDLER_RUNNING) and not conn.invalidated and _driver_state(conn) == "ended":
+        conn.info[_ENDED] = "the database rolled the transaction back after an error"
+
+
+def _before_statement(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
+    if not conn.info.get(_HANDLER_RUNNING):
+        return
+    ended = conn.info.get(_ENDED)
+    if ended:  # SQLite would run what follows outside any transaction, committing it at once
+        raise TransactionBroken(f"{ended}; the handler went on with more statements: {_ADVICE}")
+    control = _CONTROL.match(statement)
+    if control:
+        word = control.group(1).upper()
+        conn.info[_ENDED] = f"the handler sent {word}"
+        if word in ("COMMIT", "END"):
+            raise CommitInHandler(f"the handler sent {word}: {_NO_COMMIT}")
+        raise TransactionBroken(f"the handler sent {word}: the pipeline owns the transaction")
+
+
+def _on_commit(conn: Connection) -> None:
+    if conn.info.get(_HANDLER_RUNNING):
+        conn.info[_ENDED] = "the handler committed the connection"
+        raise CommitInHandler(f"the handler committed the connection: {_NO_COMMIT}")
 
 
 class HandlerCall:
@@ -60,39 +97,47 @@ class HandlerCall:
         self.session = session
         self.connection = connection
         self.transaction: SessionTransaction | None = session.get_transaction()
-        connection.info.pop(_LAST_ERROR, None)
+        # The pooled connection's own dict: still reachable if the handler gave it back.
+        self.info = info = connection.info
+        info.pop(_LAST_ERROR, None)
+        info.pop(_ENDED, None)
+        info[_HANDLER_RUNNING] = True
         session.info[_HANDLER_RUNNING] = True
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised."""
         self.session.info.pop(_HANDLER_RUNNING, None)
+        self.info.pop(_HANDLER_RUNNING, None)
 
     def verify(self) -> None:
         """Raise TransactionBroken if the handler returned with the transaction unusable."""
+        ended = self.info.pop(_ENDED, None)
+        if ended:
+            raise TransactionBroken(f"{ended}: {_ADVICE}")
         if self.session.get_transaction() is not self.transaction:
             raise TransactionBroken(
                 "the handler ended the session's transaction (rollback or close): its writes "
                 f"and the dedup record can no longer commit together; {_ADVICE}"
             )
-        state = _driver_state(self.connection.connection.driver_connection)
+        state = _driver_state(self.connection)
         if state == "aborted" or not self.session.is_active:
-            cause = self.connection.info.get(_LAST_ERROR)
+            cause = self.info.get(_LAST_ERROR)
             caught = f" ({describe(cause)})" if cause is not None else ""
             raise TransactionBroken(
                 f"the handler caught a database error and went on{caught}; the transaction "
                 f"was aborted, so nothing of it can commit: {_ADVICE}",
                 cause,
             )
-        if state == "ended":
+        if state == "ended" or not self.connection.in_transaction():
             raise TransactionBroken(
-                "the database transaction ended inside the handler (a COMMIT or ROLLBACK "
-                "sent on the connection): the pipeline must commit the handler's writes "
-                "with the dedup record"
+                "the database transaction ended inside the handler: the pipeline must "
+                "commit the handler's writes with the dedup record"
             )
 
 
-def _driver_state(driver_connection: Any) -> str:
+def _driver_state(connection: Connection) -> str:
     """``open``, ``aborted`` or ``ended``, from the driver without a round trip."""
+    driver_connection = connection.connection.driver_connection
     info = getattr(driver_connection, "info", None)
     status = getattr(info, "transaction_status", None)
     if status is not None:  # psycopg: IDLE 0, ACTIVE 1, INTRANS 2, INERROR 3, UNKNOWN 4

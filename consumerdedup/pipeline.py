@@ -132,7 +132,7 @@ class Pipeline:
                 claimed = yield from self._insert(runnable, [])
             unknown = [item for item in span if item.key not in claimed]
             if unknown:
-                found = yield self._lookup([item.key for item in unknown])
+                found = yield from self._lookup([item.key for item in unknown])
                 unknown = [item for item in unknown if not self._decide_recorded(item, found)]
             # Claim-first: a key neither claimed nor recorded was committed by a twin in
             # between; it stays undecided and the next attempt looks again.
@@ -143,6 +143,8 @@ class Pipeline:
             for item in fresh:
                 try:
                     yield CallHandler(item.message)
+                except ConfigurationError:
+                    raise
                 except Exception as exc:
                     yield Rollback()
                     return self._handler_failed(batch, span, item, exc)
@@ -164,7 +166,8 @@ class Pipeline:
             item.decide(Outcome.PROCESSED)
         for item in refused:
             item.decide(Outcome.FAILED, item.refused)
-        batch.limit = None
+        if batch.limit is not None:  # grow back after a culprit was passed, halving found it
+            batch.limit *= 2
         return self._report(batch, backoff=False)
 
     def _span(self, batch: Batch) -> list[_Item]:
@@ -209,7 +212,8 @@ class Pipeline:
     def _report(self, batch: Batch, backoff: bool) -> AttemptReport:
         batch.rounds += 1
         # Every attempt decides, halves or charges something; the budget bounds the rest.
-        if batch.rounds >= len(batch.items) * (self.policy.attempts + 3) + 16:
+        per_item = self.policy.attempts + 3 + 2 * len(batch.items).bit_length()
+        if batch.rounds >= len(batch.items) * per_item + 16:
             for item in batch.items:
                 if item.result is None:
                     item.decide(
@@ -259,20 +263,31 @@ class Pipeline:
             return set()
         if self.statements.serialized:
             keys = [row["message_id"] for row in rows]
-            yield Execute(*self.statements.lock(self.consumer, keys), Statements.read_lock)
+            lock = Execute(*self.statements.lock(self.consumer, keys), Statements.read_lock)
+            yield from self._ours(lock)
         statement, params = self.statements.record(rows)
+        inserted: set[str] = yield from self._ours(
+            Execute(statement, params, Statements.read_recorded)
+        )
+        return inserted
+
+    def _lookup(self, keys: Sequence[str]) -> Generator[Op, Any, dict[str, Recorded]]:
+        statement, params = self.statements.lookup(self.consumer, keys)
+        found: dict[str, Recorded] = yield from self._ours(
+            Execute(statement, params, Statements.read_lookup)
+        )
+        return found
+
+    @staticmethod
+    def _ours(execute: Execute) -> Generator[Op, Any, Any]:
+        """One of our statements: a failure that is the setup's, not the message's, is raised."""
         try:
-            inserted: set[str] = yield Execute(statement, params, Statements.read_recorded)
+            return (yield execute)
         except Exception as exc:
             misconfigured = Statements.misconfigured(exc)
             if misconfigured is not None:
                 raise misconfigured from exc
             raise
-        return inserted
-
-    def _lookup(self, keys: Sequence[str]) -> Execute:
-        statement, params = self.statements.lookup(self.consumer, keys)
-        return Execute(statement, params, Statements.read_lookup)
 
     def _row(self, item: _Item, now: datetime, error: BaseException | None) -> dict[str, Any]:
         return {

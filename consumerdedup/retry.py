@@ -12,9 +12,34 @@ import tenacity
 from .errors import ConfigurationError, PermanentError, RetryLater, TransactionBroken
 
 # SQLSTATE classes that mean "the same statement can succeed if tried again":
-# connection exceptions, serialization failure, deadlock, and the server
-# shutting down or starting up.
-_TRANSIENT_SQLSTATES = ("08", "40001", "40P01", "57P01", "57P02", "57P03", "53300")
+# connection exceptions, serialization failure, deadlock, the server shutting
+# down or starting up or out of connections, and a refused login or database
+# (a setup problem no message is to blame for: held, not dead-lettered).
+_TRANSIENT_SQLSTATES = (
+    "08",
+    "28",
+    "3D000",
+    "40001",
+    "40P01",
+    "57P01",
+    "57P02",
+    "57P03",
+    "53300",
+)
+
+
+# SQLite result codes that pass, or that no message is to blame for: a lock held by
+# another writer, the file or the disk (missing, full, read-only).
+_TRANSIENT_SQLITE = (
+    "SQLITE_BUSY",
+    "SQLITE_LOCKED",
+    "SQLITE_IOERR",
+    "SQLITE_PROTOCOL",
+    "SQLITE_CANTOPEN",
+    "SQLITE_FULL",
+    "SQLITE_NOMEM",
+    "SQLITE_READONLY",
+)
 
 
 class ErrorKind(enum.Enum):
@@ -53,12 +78,15 @@ class RetryPolicy:
         return exponential + tenacity.wait_random(0, initial)
 
     def classify(self, exc: BaseException) -> ErrorKind:
+        # The library's named errors keep their meaning whatever the extensions say.
+        if isinstance(exc, PermanentError | RetryLater):
+            return classify(exc)
+        if isinstance(exc, TransactionBroken) and exc.cause is not None:
+            return self.classify(exc.cause)  # what the handler swallowed decides
         if isinstance(exc, self.permanent):
             return ErrorKind.PERMANENT
         if isinstance(exc, self.transient):
             return ErrorKind.TRANSIENT
-        if isinstance(exc, TransactionBroken) and exc.cause is not None:
-            return self.classify(exc.cause)  # what the handler swallowed decides
         return classify(exc)
 
 
@@ -69,11 +97,28 @@ def classify(exc: BaseException) -> ErrorKind:
     if isinstance(exc, RetryLater | TimeoutError | ConnectionError):
         return ErrorKind.TRANSIENT
     if isinstance(exc, sqlalchemy.exc.DBAPIError):
-        if exc.connection_invalidated or isinstance(exc, sqlalchemy.exc.OperationalError):
-            return ErrorKind.TRANSIENT
-        sqlstate = getattr(exc.orig, "sqlstate", None) or ""
-        if sqlstate.startswith(_TRANSIENT_SQLSTATES):
-            return ErrorKind.TRANSIENT
+        return _driver_kind(exc)
     if isinstance(exc, sqlalchemy.exc.DisconnectionError | sqlalchemy.exc.TimeoutError):
+        return ErrorKind.TRANSIENT
+    return ErrorKind.UNKNOWN
+
+
+def _driver_kind(exc: sqlalchemy.exc.DBAPIError) -> ErrorKind:
+    """By the database's own error code where it gives one, not by the DB-API class:
+    psycopg calls "index row too large" an OperationalError, and so does sqlite3 for
+    malformed JSON; retrying those forever would stall a stream."""
+    if exc.connection_invalidated:
+        return ErrorKind.TRANSIENT
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate:
+        transient = sqlstate.startswith(_TRANSIENT_SQLSTATES)
+        return ErrorKind.TRANSIENT if transient else ErrorKind.UNKNOWN
+    sqlite_name = getattr(exc.orig, "sqlite_errorname", None)
+    if sqlite_name:
+        transient = sqlite_name.startswith(_TRANSIENT_SQLITE)
+        return ErrorKind.TRANSIENT if transient else ErrorKind.UNKNOWN
+    # No code: the driver failed to connect (a bad option, an unreachable host), which no
+    # message is to blame for; a message's own error comes with a code.
+    if exc.statement is None or isinstance(exc, sqlalchemy.exc.OperationalError):
         return ErrorKind.TRANSIENT
     return ErrorKind.UNKNOWN

@@ -12,7 +12,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
 from . import partitioned_statements
-from .errors import ConfigurationError
+from .errors import ConfigurationError, describe
 from .schema import Tables
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite")
@@ -109,12 +109,14 @@ class Statements:
 
     @staticmethod
     def misconfigured(error: BaseException) -> ConfigurationError | None:
-        """A ConfigurationError if recording failed because the table does not match ``Tables``.
-
-        Raised to the caller instead of failing every message in turn.
+        """A ConfigurationError if one of our statements failed because of the setup, not
+        the message: the table is missing or does not match ``Tables``, the role may not
+        use it, the database is read-only (a standby). Raised to the caller instead of
+        failing, or dead-lettering, every message in turn.
         """
         orig = getattr(error, "orig", None)
         state = getattr(orig, "sqlstate", None)
+        text = describe(orig) if orig is not None else describe(error)
         if state == "42P10":  # no unique key matches the ON CONFLICT columns
             return ConfigurationError(
                 "processed_events has no unique (consumer, message_id): if it is partitioned, "
@@ -122,7 +124,20 @@ class Statements:
             )
         if state == "23514" and "no partition of relation" in str(orig):
             return ConfigurationError(
-                f"processed_events has no partition for this row ({orig}): run install() "
+                f"processed_events has no partition for this row ({text}): run install() "
                 "or `consumerdedup init-db --partitioned` to make the DEFAULT partition"
             )
+        sqlite_setup = getattr(orig, "sqlite_errorname", None) == "SQLITE_ERROR" and any(
+            words in str(orig) for words in ("no such table", "no such column")
+        )
+        if state in _SETUP_SQLSTATES or sqlite_setup:
+            return ConfigurationError(
+                f"processed_events cannot be used as configured ({text}): check the tables "
+                "(install() or `consumerdedup init-db`), the role's rights and that the "
+                "database accepts writes"
+            )
         return None
+
+
+_SETUP_SQLSTATES = ("42P01", "42703", "42501", "3F000", "25006")
+"""Undefined table, undefined column, insufficient privilege, no such schema, read-only."""

@@ -453,7 +453,8 @@ def test_runner_gives_several_retries_back_in_their_order(db: Database) -> None:
     runner = runner_for(db, broker, ledger, batch_size=5)
     runner.run(until_idle=True)
 
-    second_round = ledger.calls[5:]
+    # First time round, a failure's batch-mates before it ran again to commit without it.
+    second_round = [call for call in ledger.calls if call[1]]
     assert second_round == [("p0", True), ("p2", True), ("p3", True)]
     assert runner.outcomes == Counter({Outcome.PROCESSED: 5, Outcome.RETRY: 3})
     assert ledger.rows() == [f"p{n}" for n in range(5)]

@@ -357,3 +357,223 @@ def test_a_key_that_is_never_claimed_nor_found_still_ends_in_bounded_attempts() 
     results = pipeline.finish(batch)
     assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY]
     assert "undecided after" in (results[0].reason or "")
+
+
+@pytest.mark.parametrize("control", ["COMMIT", "ROLLBACK", "END"])
+def test_transaction_control_sent_as_sql_by_a_handler_fails_it_alone(
+    db: Database, flavor: Any, control: str
+) -> None:
+    ledger = create_ledger(db)
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        steps = [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": message.id})]
+        if message.json().get("end"):  # then it goes on writing, as if nothing happened
+            steps += [(control, {}), steps[0]]
+        return steps
+
+    handle = flavor.wrap(behavior, consumer="c", retry=FAST)
+    results = handle.process_batch([order("t1"), order("t2", end=True), order("t3")])
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert effects(db, ledger) == ["t1", "t3"]
+    assert_invariants(db, ledger, results)
+    again = handle.process_batch([order("t1"), order("t2", end=True), order("t3")])
+    assert [r.outcome for r in again] == [Outcome.DUPLICATE, Outcome.FAILED, Outcome.DUPLICATE]
+    assert effects(db, ledger) == ["t1", "t3"]
+
+
+def test_a_connection_commit_inside_a_handler_is_refused(sqlite_db: Database) -> None:
+    from sqlalchemy import text
+
+    from consumerdedup import Deduplicator
+
+    db = sqlite_db
+    ledger = create_ledger(db)
+    dedup = Deduplicator(db.engine, consumer="c", tables=db.tables, retry=FAST)
+
+    @dedup.handler
+    def handle(message: Message, session: Any) -> None:
+        session.execute(text(f"INSERT INTO {ledger} (message_id) VALUES (:m)"), {"m": message.id})
+        if message.json().get("commit"):
+            session.connection().commit()
+
+    results = handle.process_batch([order("c1"), order("c2", commit=True), order("c3")])
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert isinstance(results[1].error, CommitInHandler)
+    assert effects(db, ledger) == ["c1", "c3"]
+    assert_invariants(db, ledger, results)
+
+
+def test_sqlite_rolling_back_on_conflict_then_writing_leaves_nothing(
+    sqlite_db: Database,
+) -> None:
+    """ON CONFLICT ROLLBACK ends SQLite's transaction; statements after it would commit alone."""
+    from consumerdedup import Deduplicator
+    from tests.flavors import SyncFlavor
+
+    db = sqlite_db
+    ledger = create_ledger(db)
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE strict (k TEXT UNIQUE ON CONFLICT ROLLBACK)")
+        conn.exec_driver_sql("INSERT INTO strict VALUES ('k')")
+    assert Deduplicator  # the flavor builds it
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        steps = [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": message.id})]
+        if message.json().get("conflict"):
+            steps = [(f"{SWALLOW}INSERT INTO strict VALUES ('k')", {}), *steps]
+        return steps
+
+    handle = SyncFlavor(db).wrap(behavior, consumer="c", retry=FAST)
+    results = handle.process_batch([order("r1"), order("r2", conflict=True), order("r3")])
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert effects(db, ledger) == ["r1", "r3"]
+    assert_invariants(db, ledger, results)
+
+
+def test_an_error_whose_text_cannot_be_read_still_fails_alone(db: Database, flavor: Any) -> None:
+    ledger = create_ledger(db)
+
+    class Unprintable(PermanentError):
+        def __str__(self) -> str:
+            raise RuntimeError("no text for you")
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        if message.json().get("bad"):
+            raise Unprintable()
+        return [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": message.id})]
+
+    handle = flavor.wrap(behavior, consumer="c", retry=FAST)
+    results = handle.process_batch([order("u1"), order("u2", bad=True), order("u3")])
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert "could not be read" in (results[1].reason or "")
+    assert_invariants(db, ledger, results)
+
+
+def test_an_operational_error_that_always_recurs_ends_failed_not_retried_forever(
+    db: Database, flavor: Any
+) -> None:
+    """psycopg and sqlite3 call some deterministic errors OperationalError; the code decides."""
+    ledger = create_ledger(db)
+    if db.dialect == "sqlite":
+        poison = "SELECT json_extract('{not json', '$.a')"
+    else:
+        poison = "DO $$ BEGIN RAISE EXCEPTION 'too big' USING ERRCODE = '54000'; END $$"
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        steps = [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": message.id})]
+        return [(poison, {}), *steps] if message.json().get("bad") else steps
+
+    handle = flavor.wrap(behavior, consumer="c", retry=FAST)
+    results = handle.process_batch([order("g1"), order("g2", bad=True), order("g3")], ordered=True)
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert_invariants(db, ledger, results)
+
+
+def test_a_pending_orm_write_fails_its_own_message(db: Database, flavor: Any) -> None:
+    """An object added and left unflushed fails when it is flushed: right after its handler,
+    not in whichever later handler happens to run a statement."""
+    from sqlalchemy import Column, MetaData, String, Table, insert, text
+    from sqlalchemy.orm import registry
+
+    ledger = create_ledger(db)
+    metadata = MetaData(schema=db.schema)
+    strict = Table("strict_orm", metadata, Column("k", String(10), primary_key=True))
+    metadata.create_all(db.engine)
+    with db.engine.begin() as conn:
+        conn.execute(insert(strict).values(k="taken"))
+
+    class Strict:
+        def __init__(self, k: str) -> None:
+            self.k = k
+
+    registry(metadata=metadata).map_imperatively(Strict, strict)
+    write = f"INSERT INTO {ledger} (message_id) VALUES (:m)"
+    dedup = flavor.deduplicator(consumer="c", retry=FAST)
+    if flavor.name == "async":
+
+        @dedup.handler(claim_first=flavor.claim_first)
+        async def handle(message: Message, session: Any) -> None:
+            await session.execute(text(write), {"m": message.id})
+            if message.json().get("pending"):
+                session.add(Strict("taken"))
+
+        def run(messages: list[Message]) -> list[Result]:
+            return flavor.loop.run_until_complete(handle.process_batch(messages))  # type: ignore[no-any-return]
+    else:
+
+        @dedup.handler(claim_first=flavor.claim_first)
+        def handle(message: Message, session: Any) -> None:
+            session.execute(text(write), {"m": message.id})
+            if message.json().get("pending"):
+                session.add(Strict("taken"))
+
+        run = handle.process_batch
+    results = run([order("p1"), order("p2", pending=True), order("p3"), order("p4")])
+    expected = [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED, Outcome.PROCESSED]
+    assert [r.outcome for r in results] == expected
+    assert [r.attempts for r in results if r.outcome is Outcome.PROCESSED] == [1, 1, 1]
+    assert_invariants(db, ledger, results)
+
+
+def test_a_missing_processed_events_table_is_a_configuration_error_not_dead_letters(
+    db: Database, flavor: Any
+) -> None:
+    from consumerdedup import ConfigurationError, Tables
+
+    ledger = create_ledger(db)
+    dead: list[Result] = []
+    prefix = f"{db.schema}." if db.schema else ""
+    elsewhere = Tables.define(f"{prefix}nowhere_events", f"{prefix}nowhere_outbox")
+    handle = flavor.wrap(
+        lambda m: [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": m.id})],
+        consumer="c",
+        retry=FAST,
+        tables=elsewhere,
+        dead_letter=dead.append,
+    )
+    with pytest.raises(ConfigurationError, match="cannot be used as configured"):
+        handle.process_batch([order("m1"), order("m2")])
+    assert dead == [] and effects(db, ledger) == []
+
+
+def test_an_async_handler_given_to_the_blocking_deduplicator_is_refused(
+    sqlite_db: Database,
+) -> None:
+    from consumerdedup import ConfigurationError, Deduplicator
+
+    dedup = Deduplicator(sqlite_db.engine, consumer="c", tables=sqlite_db.tables)
+
+    async def handler(message: Message, session: Any) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="AsyncDeduplicator"):
+        dedup.handler(handler)
+
+
+def test_many_commit_time_culprits_are_each_isolated_within_the_budget(
+    pg_any: Database, flavor_on: Any
+) -> None:
+    db, flavor = pg_any, flavor_on
+    ledger = create_ledger(db)
+    once = db.name("once")
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {once} (k TEXT UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+        conn.exec_driver_sql(f"INSERT INTO {once} VALUES ('taken')")
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        steps = [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": message.id})]
+        if message.json().get("poison"):  # fails at COMMIT only
+            steps.append((f"INSERT INTO {once} VALUES ('taken')", {}))
+        return steps
+
+    handle = flavor.wrap(
+        behavior,
+        consumer="c",
+        retry=RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0)),
+    )
+    messages = [order(f"k{i:02}", poison=i % 2 == 1) for i in range(40)]
+    results = handle.process_batch(messages)
+    assert [r.outcome for r in results] == [
+        Outcome.FAILED if i % 2 else Outcome.PROCESSED for i in range(40)
+    ]
+    assert_invariants(db, ledger, results)
