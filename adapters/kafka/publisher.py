@@ -66,8 +66,13 @@ class KafkaPublisher:
             producer = AIOKafkaProducer(**self._settings)
             try:
                 await producer.start()
-            except BaseException:
+            except BaseException as exc:
                 await producer.stop()
+                if isinstance(exc, KafkaError):
+                    # Raised from start() too, also through ``async with`` (the outbox
+                    # relay enters the publisher before its first send): a broker that
+                    # does not answer must read as BrokerUnavailable there as well.
+                    raise _start_failure(exc) from exc
                 raise
             self._producer = producer
 
@@ -144,6 +149,14 @@ class KafkaPublisher:
         except (KafkaError, TimeoutError, OSError):
             return None
         return set(cluster.topics(exclude_internal_topics=False))
+
+
+def _start_failure(exc: KafkaError) -> PublishFailed:
+    """A producer that cannot start: no broker answers (retriable), or one refuses it."""
+    reason = f"cannot start the Kafka producer: {describe(exc)}"
+    if getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError):
+        return BrokerUnavailable(reason)
+    return PublishFailed(reason)
 
 
 def _bytes(value: str | bytes | None) -> bytes | None:
