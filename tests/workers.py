@@ -11,10 +11,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import Integer, String, TextualSelect, create_engine, event, text
 from sqlalchemy.orm import Session
 
-from consumerdedup import Deduplicator, Message, Tables
+from consumerdedup import Deduplicator, Message, Tables, partitioned_statements
 
 CRASH_EXIT = 99
 
@@ -29,15 +29,33 @@ def _deduplicator(url: str, names: Names, ledger: str, **options: Any) -> Any:
     events, outbox, partitioned = names
     tables = Tables.define(events, outbox, partitioned=partitioned)
     dedup = Deduplicator(engine, consumer="ledger", tables=tables, **options)
+    calls: list[str] = []
 
     def insert(message: Message, session: Session) -> None:
+        calls.append(message.id)
         data = message.json()
         session.execute(
             text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES (:a, :n, :m)"),
             {"a": data["account"], "n": data["amount"], "m": message.id},
         )
 
+    insert.calls = calls  # type: ignore[attr-defined]
+    begins: list[float] = []  # when each of the pipeline's transactions began
+    event.listen(engine, "begin", lambda conn: begins.append(time.monotonic()))
+    insert.begins = begins  # type: ignore[attr-defined]
+    commits: list[float] = []  # when each COMMIT was about to be sent
+    event.listen(engine, "commit", lambda conn: commits.append(time.monotonic()))
+    insert.commits = commits  # type: ignore[attr-defined]
     return engine, dedup, insert
+
+
+def no_claim_lock(table: Any) -> TextualSelect:
+    """The partitioned claim's lock statement with the lock taken out: it reads the isolation
+    level as the real one does and locks nothing."""
+    return text(
+        "SELECT current_setting('transaction_isolation') AS isolation, "
+        "cardinality(CAST(:keys AS text[])) AS locked, CAST(:consumer AS text) AS consumer"
+    ).columns(isolation=String(), locked=Integer(), consumer=String())
 
 
 def race(
@@ -46,21 +64,65 @@ def race(
     ledger: str,
     bodies: dict[str, bytes],
     copies: int,
-    seed: int,
+    seed: int | None,
     start_at: float,
     claim_first: bool = True,
-) -> dict[str, int]:
-    """Deliver every id ``copies`` times, shuffled, one message per transaction."""
+    unlocked: bool = False,
+    block: int = 100,
+) -> dict[str, Any]:
+    """Deliver every id ``copies`` times, one message per transaction: shuffled by ``seed``
+    within blocks of ``block`` ids (the workers start together and go through the blocks at
+    about the same pace, so twins meet often), or with ``seed=None`` in the same order in
+    every worker (twins meet at nearly every id).
+
+    ``unlocked``: the partitioned claim's advisory lock is taken out (``no_claim_lock``).
+    Returns the outcome counts, the handler's calls, and for each delivery the id, outcome,
+    when its first transaction began and when its last COMMIT was sent (None if none was),
+    in time.monotonic (one clock for every process of this machine).
+    """
+    if unlocked:
+        partitioned_statements.lock = no_claim_lock  # read when the Deduplicator is built
     engine, dedup, insert = _deduplicator(url, names, ledger)
     handle = dedup.handler(claim_first=claim_first)(insert)
-    deliveries = [mid for mid in bodies for _ in range(copies)]
-    random.Random(seed).shuffle(deliveries)
+    ids = list(bodies)
+    if seed is None:  # ``copies`` passes over the ids: each worker meets the others at each
+        deliveries = [mid for _ in range(copies) for mid in ids]
+    else:  # shuffled within blocks of ids that the workers go through together
+        rng, deliveries = random.Random(seed), []
+        for start in range(0, len(ids), block):
+            chunk = [mid for mid in ids[start : start + block] for _ in range(copies)]
+            rng.shuffle(chunk)
+            deliveries += chunk
     time.sleep(max(0.0, start_at - time.time()))  # all workers start together
     outcomes: Counter[str] = Counter()
+    timeline: list[tuple[str, str, float, float | None]] = []
+    begins, commits = insert.begins, insert.commits
     for mid in deliveries:
-        outcomes[handle(Message(id=mid, body=bodies[mid])).value] += 1
+        first, committed = len(begins), len(commits)
+        outcome = handle(Message(id=mid, body=bodies[mid])).value
+        last_commit = commits[-1] if len(commits) > committed else None
+        timeline.append((mid, outcome, begins[first], last_commit))
+        outcomes[outcome] += 1
     engine.dispose()
-    return dict(outcomes)
+    return {"outcomes": dict(outcomes), "calls": len(insert.calls), "timeline": timeline}
+
+
+def collisions(timelines: list[list[tuple[str, str, float, float | None]]]) -> int:
+    """DUPLICATE answers to deliveries whose transaction began before the PROCESSED delivery
+    of their id sent its COMMIT: twins that met in flight, so one waited on the other's
+    claim (or, checking first, ran its handler too and rolled back)."""
+    committed = {
+        mid: sent
+        for timeline in timelines
+        for mid, outcome, _, sent in timeline
+        if outcome == "processed" and sent is not None
+    }
+    return sum(
+        1
+        for timeline in timelines
+        for mid, outcome, started, _ in timeline
+        if outcome == "duplicate" and started < committed[mid]
+    )
 
 
 def crash_at(url: str, names: Names, ledger: str, body: bytes, step: str) -> None:
