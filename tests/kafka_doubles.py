@@ -1,4 +1,6 @@
-"""An aiokafka producer that behaves as on a cluster that does not create topics on demand.
+"""aiokafka producers that behave as a broker Tansu cannot stand in for would.
+
+``NoAutoCreate``: a cluster that does not create topics on demand.
 
 Most production clusters run with ``auto.create.topics.enable=false``; Tansu
 creates any topic a producer asks about, so the refusal cannot come from the
@@ -7,10 +9,17 @@ metadata of the unknown topic, then raises UnknownTopicOrPartitionError (or
 the send times out with KafkaTimeoutError). ``NoAutoCreate`` raises that same
 aiokafka error at once for a topic the broker does not list, and sends
 everything else for real. Install it with ``no_auto_create(monkeypatch)``.
+
+``GrantsIdempotence``: a broker that grants idempotent producers (Tansu 0.6 refuses
+InitProducerId, so there the default dead-letter producer cannot even start). It records
+how it was built and what it was asked to send, and first raises, in order, the aiokafka
+errors of its ``script``, as the broker would answer them. Install it with
+``grants_idempotence(monkeypatch, script)``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
@@ -36,5 +45,51 @@ def no_auto_create(
 ) -> type[NoAutoCreate]:
     """Make KafkaPublisher use NoAutoCreate, raising ``error`` for a missing topic."""
     double = type("NoAutoCreate", (NoAutoCreate,), {"error": error, "refused": []})
+    monkeypatch.setattr("consumerdedup.adapters.kafka.publisher.AIOKafkaProducer", double)
+    return double
+
+
+@dataclass
+class Sent:
+    topic: str
+    value: bytes | None
+    key: bytes | None
+    headers: list[tuple[str, bytes]]
+
+
+class GrantsIdempotence:
+    built: ClassVar[list[dict[str, Any]]] = []
+    sent: ClassVar[list[Sent]] = []
+    script: ClassVar[list[tuple[str, Exception]]] = []
+    """("start" or "send", the aiokafka error that step raises next), in order."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.built.append(settings)
+
+    def _scripted(self, step: str) -> None:
+        if self.script and self.script[0][0] == step:
+            raise self.script.pop(0)[1]
+
+    async def start(self) -> None:
+        self._scripted("start")
+
+    async def stop(self) -> None:
+        pass
+
+    async def send_and_wait(
+        self, topic: str, value: bytes | None, key: bytes | None = None, headers: Any = None
+    ) -> Any:
+        self._scripted("send")
+        self.sent.append(Sent(topic, value, key, list(headers or [])))
+        return None
+
+
+def grants_idempotence(
+    monkeypatch: pytest.MonkeyPatch, script: list[tuple[str, Exception]]
+) -> type[GrantsIdempotence]:
+    """Make KafkaPublisher (the dead-letter producer too) use GrantsIdempotence."""
+    double = type(
+        "GrantsIdempotence", (GrantsIdempotence,), {"built": [], "sent": [], "script": script}
+    )
     monkeypatch.setattr("consumerdedup.adapters.kafka.publisher.AIOKafkaProducer", double)
     return double

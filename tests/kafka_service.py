@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import ctypes
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -175,6 +176,34 @@ def own_service(port: int) -> KafkaService:
     return KafkaService(f"127.0.0.1:{port}", "tansu", False, TANSU_GROUP_OPTIONS)
 
 
+REFUSE_EVERY_RECORD = {
+    "type": "object",
+    "properties": {"value": {"type": "object", "required": ["consumerdedup-never-sent"]}},
+}
+"""A Tansu topic schema no record meets: a JSON value without that property, or any value
+that is not JSON, is refused by the broker (aiokafka raises UnknownError, not retriable)."""
+
+
+@contextlib.asynccontextmanager
+async def refusing_broker(folder: Path, refused: Sequence[str]) -> AsyncIterator[Topics]:
+    """A Tansu broker of the test's own that refuses every record sent to a topic of
+    ``refused`` (a real refusal, by the broker: its schema registry, kept in ``folder``),
+    and takes any other; the test's view of it, then the broker stops."""
+    registry = folder / "schemas"
+    registry.mkdir()
+    for topic in refused:
+        (registry / f"{topic}.json").write_text(json.dumps(REFUSE_EVERY_RECORD))
+    port = free_port()
+    broker = start_tansu(port, schema_registry=registry)
+    topics = Topics(own_service(port))
+    try:
+        yield topics
+    finally:
+        await topics.close()
+        broker.kill()
+        broker.wait()
+
+
 def _start_tansu() -> str | None:
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="consumerdedup-tansu-")) / "tansu.log"
@@ -290,10 +319,11 @@ class Topics:
             await self._consumer.start()
         return self._admin, self._producer, self._consumer
 
-    async def create(self, prefix: str = "t", partitions: int = 1) -> str:
-        """A fresh topic, and its ``.dlq`` with one partition (so dead letters keep their order;
-        an auto-created topic gets the broker's default count and spreads keyless records)."""
-        name = f"cdd-{prefix}-{uuid.uuid4().hex[:10]}"
+    async def create(self, prefix: str = "t", partitions: int = 1, name: str | None = None) -> str:
+        """A fresh topic (``name``, else a new one), and its ``.dlq`` with one partition (so
+        dead letters keep their order; an auto-created topic gets the broker's default count
+        and spreads keyless records)."""
+        name = name or f"cdd-{prefix}-{uuid.uuid4().hex[:10]}"
         self.names += [name, name + ".dlq"]
         admin, _, _ = await self._clients()
         await admin.create_topics([NewTopic(name, partitions, 1), NewTopic(name + ".dlq", 1, 1)])

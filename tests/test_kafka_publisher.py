@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
+from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
 
 from consumerdedup import ConfigurationError, Publisher
 from consumerdedup.adapters.kafka import (
@@ -22,6 +23,7 @@ from tests.kafka_service import (  # noqa: F401
     Topics,
     free_port,
     kafka_fixture,
+    refusing_broker,
     start_tansu,
     topics_fixture,
 )
@@ -59,20 +61,23 @@ async def test_send_takes_raw_headers_and_returns_the_record_metadata(
     assert list(record.headers) == [("h", b"1"), ("h", b"2")]
 
 
-async def test_a_broker_refusal_is_publish_failed_with_the_cause(
-    kafka: KafkaService, topics: Topics
-) -> None:
-    topic = await topics.create("refused")
-    tiny = KafkaPublisher(
-        kafka.bootstrap,
-        enable_idempotence=kafka.idempotence,
-        options={"max_request_size": 16},
-    )
-    with pytest.raises(PublishFailed, match=f"cannot publish to '{topic}'") as caught:
-        await tiny.publish(topic, b"more than sixteen bytes of body")
-    assert caught.value.__cause__ is not None
-    await tiny.stop()
-    assert await topics.records(topic) == []
+async def test_a_broker_refusal_is_publish_failed_with_the_cause(tmp_path: Path) -> None:
+    """The broker refuses the record (a broker of the test's own whose schema registry no
+    record of that topic passes): PublishFailed, not a broker away, and nothing stored."""
+    topic = f"cdd-refused-{uuid.uuid4().hex[:10]}"
+    async with refusing_broker(tmp_path, [topic]) as broker:
+        await broker.create(name=topic)
+        publisher = KafkaPublisher(broker.bootstrap, enable_idempotence=False)
+        try:
+            with pytest.raises(PublishFailed, match=f"cannot publish to '{topic}'") as caught:
+                await publisher.publish(topic, b'{"n": 1}')
+            assert not isinstance(caught.value, BrokerUnavailable | DestinationMissing)
+            assert isinstance(caught.value.__cause__, KafkaError)
+            await publisher.publish(topic + ".dlq", b'{"n": 1}')  # another topic: taken
+        finally:
+            await publisher.stop()
+        assert await broker.records(topic) == []
+        assert [r.value for r in await broker.records(topic + ".dlq")] == [b'{"n": 1}']
 
 
 async def test_idempotence_is_on_by_default_and_a_broker_without_it_fails_loudly(

@@ -5,11 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    NotEnoughReplicasError,
+    OutOfOrderSequenceNumber,
+    UnknownProducerId,
+)
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -31,10 +39,20 @@ from consumerdedup.adapters.kafka import (
     KafkaConsumerRunner,
 )
 from consumerdedup.runner import CONSUMER_HEADER, ID_HEADER, REASON_HEADER
-from tests.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
+from tests.kafka_doubles import grants_idempotence
+from tests.kafka_service import (  # noqa: F401
+    KafkaService,
+    Topics,
+    kafka_fixture,
+    refusing_broker,
+    topics_fixture,
+)
+from tests.test_runner import MARGIN
 
 QUICK_RETRY = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
 FAST = {"poll_timeout": timedelta(milliseconds=100), "retry_backoff": timedelta(0)}
+CLOSE = 0.2
+"""Seconds for the consumer to leave its group and close once the loop has ended."""
 
 
 def body(n: int = 1, **controls: Any) -> bytes:
@@ -277,27 +295,123 @@ async def _true(value: bool) -> bool:
 
 
 async def test_a_dead_letter_that_cannot_be_sent_is_not_committed_and_comes_again(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """The broker itself refuses every record on the dead-letter topic (a broker of the
+    test's own, whose schema registry no record passes): the poison message is not
+    committed, it comes again, and nothing behind it commits before it."""
+    topic = f"cdd-dlqdown-{uuid.uuid4().hex[:10]}"
+    async with refusing_broker(tmp_path, [topic + ".dlq"]) as broker:
+        await broker.create(name=topic)
+        await broker.produce(topic, body(1), event_id="m-1")
+        await broker.produce(topic, body(2, fail="poison"), event_id="m-2")
+        await broker.produce(topic, body(3), event_id="m-3")
+        group = "group-" + topic
+        refused = runner(broker.service, ledger.handle, topic)
+        task = asyncio.create_task(refused.run())
+        await wait_for(lambda: _true(len(ledger.applied()) == 2), "m-1 and m-3 to be applied")
+        await wait_for(lambda: _true(refused.outcomes[Outcome.FAILED] >= 3), "m-2 to come again")
+        assert await broker.committed(group, topic) == {0: 1}  # held at the unsent dead letter
+        assert await broker.records(topic + ".dlq") == []
+        refused.stop()
+        await asyncio.wait_for(task, 30)
+
+        # The operator sends dead letters somewhere the broker takes them.
+        parked = runner(broker.service, ledger.handle, topic, dead_letter_topic="{topic}.parked")
+        await parked.run(until_idle=True)
+        [dead] = await broker.records(topic + ".parked")
+        # The failure was recorded the first time; the redelivery carries the first reason.
+        assert headers_of(dead)[REASON_HEADER] == b"RecordedFailure: PermanentError: poison"
+        assert sorted(ledger.applied()) == ["m-1", "m-3"]
+        assert await broker.committed(group, topic) == {0: 3}
+
+
+async def test_the_default_dead_letter_producer_is_idempotent_and_a_refusal_loses_nothing(
     kafka: KafkaService, topics: Topics, ledger: Ledger
 ) -> None:
-    topic = await topics.create("dlqdown")
+    """KafkaConfig() as shipped: the dead-letter producer asks for idempotence. A broker that
+    grants it takes the dead letter. Tansu 0.6 refuses InitProducerId (no idempotent
+    producer): a real refusal, so the poison message is held and read again, nothing behind
+    it is committed, and a runner with idempotent_producer=False then sends it. (The
+    idempotent producer on a broker that grants it, and its errors: the next test.)"""
+    assert KafkaConfig().idempotent_producer is True
+    topic = await topics.create("idem")
     await topics.produce(topic, body(1), event_id="m-1")
     await topics.produce(topic, body(2, fail="poison"), event_id="m-2")
     await topics.produce(topic, body(3), event_id="m-3")
     group = "group-" + topic
-    # A producer that refuses every record stands in for an unreachable dead-letter topic.
-    broken = runner(kafka, ledger.handle, topic, producer_options={"max_request_size": 16})
-    task = asyncio.create_task(broken.run())
-    await wait_for(lambda: _true(len(ledger.applied()) == 2), "m-1 and m-3 to be applied")
-    await wait_for(lambda: _true(broken.outcomes[Outcome.FAILED] >= 2), "m-2 to come again")
+    options = {**FAST, "consumer_options": kafka.group_options}
+    shipped = KafkaConsumerRunner(
+        ledger.handle,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id=group,
+        config=KafkaConfig(**options),
+    )
+    if kafka.idempotence:
+        await shipped.run(until_idle=True)
+        [dead] = await topics.records(topic + ".dlq")
+        assert headers_of(dead)[REASON_HEADER] == b"PermanentError: poison"
+        assert await topics.committed(group, topic) == {0: 3}
+        return
+    task = asyncio.create_task(shipped.run())
+    await wait_for(lambda: _true(shipped.outcomes[Outcome.FAILED] >= 3), "m-2 to come again")
     assert await topics.committed(group, topic) == {0: 1}  # held at the unsent dead letter
     assert await topics.records(topic + ".dlq") == []
-    broken.stop()
+    assert sorted(ledger.applied()) == ["m-1", "m-3"]
+    shipped.stop()
     await asyncio.wait_for(task, 30)
 
-    await runner(kafka, ledger.handle, topic).run(until_idle=True)
+    await runner(kafka, ledger.handle, topic, idempotent_producer=False).run(until_idle=True)
     [dead] = await topics.records(topic + ".dlq")
-    # The failure was recorded the first time; the redelivery carries the first reason.
     assert headers_of(dead)[REASON_HEADER] == b"RecordedFailure: PermanentError: poison"
+    assert await topics.committed(group, topic) == {0: 3}
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        # What a broker that grants idempotence can answer: IdempotentWrite not allowed at
+        # InitProducerId, the sequence broken, too few in-sync replicas (retriable).
+        [("start", ClusterAuthorizationFailedError())],
+        [("send", OutOfOrderSequenceNumber()), ("send", UnknownProducerId())],
+        [("send", NotEnoughReplicasError())],
+    ],
+    ids=["init-producer-id-refused", "sequence-errors", "not-enough-replicas"],
+)
+async def test_the_idempotent_dead_letter_producer_on_a_broker_that_grants_it(
+    kafka: KafkaService,
+    topics: Topics,
+    ledger: Ledger,
+    monkeypatch: pytest.MonkeyPatch,
+    script: list[tuple[str, Exception]],
+) -> None:
+    """Tansu 0.6 has no idempotent producer, so the dead-letter producer of KafkaConfig() is
+    a double here (tests/kafka_doubles.py) that grants idempotence and first raises
+    aiokafka's own errors: each failed dead letter holds the offset and the record is read
+    again, until one is accepted; then, and only then, the offset moves past it."""
+    double = grants_idempotence(monkeypatch, list(script))
+    topic = await topics.create("granted")
+    await topics.produce(topic, body(1), event_id="m-1")
+    await topics.produce(topic, body(2, fail="poison"), event_id="m-2")
+    await topics.produce(topic, body(3), event_id="m-3")
+    group = "group-" + topic
+    options = {**FAST, "consumer_options": kafka.group_options}
+    shipped = KafkaConsumerRunner(
+        ledger.handle,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id=group,
+        config=KafkaConfig(**options),
+    )
+    await shipped.run(until_idle=True)
+
+    assert double.script == []  # every scripted error was raised
+    assert {(b["enable_idempotence"], b["acks"]) for b in double.built} == {(True, "all")}
+    [dead] = double.sent
+    assert (dead.topic, dead.value) == (topic + ".dlq", body(2, fail="poison"))
+    assert dict(dead.headers)[REASON_HEADER] == b"RecordedFailure: PermanentError: poison"
+    assert shipped.outcomes[Outcome.FAILED] == len(script) + 1  # read again after each error
     assert sorted(ledger.applied()) == ["m-1", "m-3"]
     assert await topics.committed(group, topic) == {0: 3}
 
@@ -341,6 +455,25 @@ async def test_a_record_to_a_partition_is_handled_in_order_across_partitions(
         assert offsets == list(range(30)), partition
     assert len(set(ledger.applied())) == 90
     assert await topics.committed("group-" + topic, topic) == {0: 30, 1: 30, 2: 30}
+
+
+async def test_an_idle_runner_notices_stop_within_its_poll_timeout(
+    kafka: KafkaService, topics: Topics, ledger: Ledger
+) -> None:
+    """KafkaConfig.poll_timeout bounds how late an idle stop() is noticed (the README); then
+    the consumer leaves its group and closes, and run() returns."""
+    topic = await topics.create("idle")
+    await topics.produce(topic, body(1), event_id="m-1")
+    idle = runner(kafka, ledger.handle, topic)  # poll_timeout 100 ms
+    task = asyncio.create_task(idle.run())
+    await wait_for(lambda: _true(ledger.applied() == ["m-1"]), "m-1 to be applied")
+    await asyncio.sleep(0.3)  # idle: waiting in getmany
+    started = time.monotonic()
+    idle.stop()
+    await asyncio.wait_for(task, 30)
+    took = time.monotonic() - started
+    poll = FAST["poll_timeout"].total_seconds()
+    assert took < poll + CLOSE + MARGIN, f"run() returned {took:.2f} s after stop()"
 
 
 def test_config_is_validated_at_construction() -> None:
