@@ -28,6 +28,7 @@ from consumerdedup import (
 from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
 from consumerdedup.testing.memory_broker import CONSUMER_HEADER, REASON_HEADER, Delivery
 from tests.conftest import Database
+from tests.test_runner import MARGIN
 
 ONE_TRY = RetryPolicy(attempts=1, initial_delay=timedelta(0), max_delay=timedelta(0))
 
@@ -270,14 +271,14 @@ def test_fetch_with_timeout_wakes_up_on_publish() -> None:
         got.extend(broker.fetch("q", 5, timeout=10))
 
     consumer = threading.Thread(target=consume)
-    started = time.monotonic()
     consumer.start()
     time.sleep(0.1)
     assert consumer.is_alive()  # waiting, not returned empty
     broker.publish("q", b"x", message_id="late")
+    published = time.monotonic()
     consumer.join(5)
     assert not consumer.is_alive()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - published < MARGIN  # woken by the publish, not the timeout
     assert ids(got) == ["late"]
 
 
@@ -285,7 +286,7 @@ def test_fetch_with_timeout_returns_empty_after_the_timeout() -> None:
     broker = MemoryBroker()
     started = time.monotonic()
     assert broker.fetch("q", timeout=0.1) == []
-    assert 0.09 <= time.monotonic() - started < 2
+    assert 0.09 <= time.monotonic() - started < 0.1 + MARGIN
 
 
 def test_concurrent_consumers_ack_each_message_exactly_once() -> None:
@@ -475,9 +476,11 @@ def test_stop_from_another_thread_makes_run_return(db: Database) -> None:
         time.sleep(0.01)
     assert worker.is_alive()  # idle, but still waiting for more
 
+    started = time.monotonic()
     runner.stop()
     worker.join(5)
     assert not worker.is_alive()
+    assert time.monotonic() - started < runner.poll_interval + MARGIN  # its fetch's wait
     assert ledger.rows() == ["p0", "p1", "p2"]
     assert runner.outcomes == Counter({Outcome.PROCESSED: 3})
     broker.publish("payments", body(), message_id="late")

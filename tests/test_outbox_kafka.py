@@ -75,9 +75,12 @@ async def test_ten_thousand_events_through_three_relays_each_applied_once_in_key
         for thread in threads:
             thread.join(30)
     assert all(r.published > 0 for r in relays), [r.published for r in relays]
+    # Several relays never publish a row twice while it is in flight (the README), and
+    # nothing failed here: every event is on the topic exactly once.
+    assert sum(r.published for r in relays) == len(ids)
 
     records = await topics.records(topic)
-    assert len(records) >= len(ids)  # at least once
+    assert len(records) == len(ids)
     per_key: dict[bytes, list[int]] = defaultdict(list)
     for record in records:  # (partition, offset) order: a key lives in one partition
         key, seq = record.value.decode().split(":")
@@ -88,7 +91,7 @@ async def test_ten_thousand_events_through_three_relays_each_applied_once_in_key
         assert seqs == sorted(seqs), f"{key!r} published out of order"
     applied, outcomes = apply_downstream(pg, records)
     assert sorted(e for e, _ in applied) == sorted(ids)  # each exactly once
-    assert outcomes.count(Outcome.PROCESSED) == len(ids)
+    assert outcomes == [Outcome.PROCESSED] * len(ids)  # and no duplicate to answer
 
 
 async def test_relay_killed_after_the_confirm_republishes_and_downstream_answers_duplicate(

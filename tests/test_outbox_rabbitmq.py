@@ -54,14 +54,16 @@ def test_ten_thousand_events_through_three_relays_each_applied_once_in_key_order
             relay.stop()
         for thread in threads:
             thread.join(30)
-    assert sum(r.published for r in relays) >= len(ids)
+    # Several relays never publish a row twice while it is in flight (the README), and
+    # nothing failed here: every event is on the queue exactly once.
+    assert sum(r.published for r in relays) == len(ids)
     assert all(r.published > 0 for r in relays), [r.published for r in relays]
-    assert rabbit.held(queue) >= len(ids)
+    assert rabbit.held(queue) == len(ids)
 
     downstream, outcomes = consume_downstream(pg, amqp_url, queue)
     rows = downstream.applied()
     assert sorted(event_id for _, _, event_id in rows) == sorted(ids)  # each exactly once
-    assert outcomes.get(Outcome.PROCESSED) == len(ids)
+    assert outcomes == {Outcome.PROCESSED: len(ids)}  # and no duplicate to answer
     per_key: dict[str, list[int]] = defaultdict(list)
     for key, seq, _ in rows:
         per_key[key].append(seq)

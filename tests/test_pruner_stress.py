@@ -13,6 +13,9 @@ from sqlalchemy import text
 from consumerdedup import Deduplicator, Message, Outcome, Pruner
 from tests.conftest import Database
 
+MIN_SHARE = 0.25
+"""Of its rate alone, the least a consumer keeps while a batch prune runs beside it."""
+
 
 @pytest.mark.slow
 @pytest.mark.postgres
@@ -47,6 +50,8 @@ def test_a_million_expired_rows_go_while_a_consumer_keeps_working(pg: Database) 
     consumer = LiveConsumer(pg, ledger)
     consumer.start()
     assert consumer.wait_for(50), f"the consumer did not start: {consumer.problems}"
+    alone_from = time.monotonic()
+    time.sleep(1.5)  # the consumer's rate alone, on this machine, now
     started = time.monotonic()
     deleted = Pruner(pg.engine, timedelta(days=7), tables=pg.tables, clock=lambda: t0).run_once()
     ended = time.monotonic()
@@ -54,8 +59,15 @@ def test_a_million_expired_rows_go_while_a_consumer_keeps_working(pg: Database) 
 
     assert consumer.problems == []
     assert dict(deleted.deleted) == {"ledger": 1_000_000}
-    during = consumer.processed_between(started, ended)
-    assert during > 0, "the consumer made no progress while the pruner ran"
+    alone = consumer.processed_between(alone_from, started) / (started - alone_from)
+    during = consumer.processed_between(started, ended) / (ended - started)
+    print(f"consumer: {alone:.0f} msg/s alone, {during:.0f} msg/s during the prune")
+    # The README: a concurrent consumer kept 49-95% of its rate (bench, 2 cores). Here the
+    # test, the consumer, the pruner and PostgreSQL share the machine: half the low figure.
+    assert during >= MIN_SHARE * alone, (
+        f"the consumer ran at {during:.0f} msg/s while the pruner ran ({ended - started:.1f} s)"
+        f", {during / alone:.0%} of its {alone:.0f} msg/s alone"
+    )
     with pg.engine.connect() as conn:
         young = conn.execute(text(f"SELECT count(*) FROM {pe} WHERE message_id LIKE 'young-%'"))
         live = conn.execute(text(f"SELECT count(*) FROM {pe} WHERE message_id LIKE 'live-%'"))

@@ -31,6 +31,7 @@ from consumerdedup.adapters.rabbitmq import (
 )
 from consumerdedup.runner import CONSUMER_HEADER, REASON_HEADER
 from tests.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
+from tests.test_runner import MARGIN, NOTICED
 
 QUICK = RetryPolicy(attempts=1, initial_delay=timedelta(0), max_delay=timedelta(0))
 FAST = {"idle_timeout": timedelta(milliseconds=300), "retry_delay": timedelta(0)}
@@ -287,12 +288,14 @@ def test_a_queue_deleted_while_consuming_stops_the_runner_with_an_error(
 
 
 def test_stop_from_another_thread_ends_an_idle_runner_promptly(db: Any, rabbit: Broker) -> None:
+    """Noticed within 0.1 s (the README), then the consumer is cancelled and the
+    connection closed: run() has returned within that and a loaded machine's margin."""
     consumer = Consumer(db, rabbit, rabbit.queue())
     stop = consumer.start()
     time.sleep(0.3)
     started = time.monotonic()
     stop()
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < NOTICED + MARGIN
 
 
 def test_an_unreachable_broker_is_reported_after_reconnect_timeout(db: Any) -> None:
