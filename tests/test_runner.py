@@ -17,8 +17,8 @@ MARGIN = 0.25
 
 def test_stop_from_another_thread_ends_a_pause_early() -> None:
     switch = StopSwitch()
-    threading.Timer(0.1, switch.stop).start()
     started = time.monotonic()
+    threading.Timer(0.1, switch.stop).start()
     assert switch.pause(30) is True
     assert 0.1 <= time.monotonic() - started < 0.1 + MARGIN  # woken, not polled
 
@@ -30,8 +30,8 @@ def test_a_stop_signal_is_noticed_within_the_promised_delay() -> None:
     switch = StopSwitch()
     try:
         switch.on_signals()
-        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
         started = time.monotonic()
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
         assert switch.pause(30) is True
         assert 0.1 <= time.monotonic() - started < 0.1 + NOTICED + MARGIN
     finally:
