@@ -35,7 +35,7 @@ import sqlalchemy
 from sqlalchemy import Engine, create_engine, text
 
 from consumerdedup import Deduplicator, Message, Pruner, Tables, durations, install
-from consumerdedup.partitions import DayPartitions
+from consumerdedup.db.partitions import DayPartitions
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_pipeline import cpu_model

@@ -4,8 +4,9 @@ A handler wrapped by a Deduplicator runs check -> BEGIN -> handle -> INSERT
 processed_events -> COMMIT, and the broker is acked only after COMMIT.
 """
 
-from .async_deduplicator import AsyncDedupHandler, AsyncDeduplicator
-from .deduplicator import DedupHandler, Deduplicator
+from .dedup.async_deduplicator import AsyncDedupHandler, AsyncDeduplicator
+from .dedup.deduplicator import DedupHandler, Deduplicator
+from .dedup.settings import DeadLetterFailed
 from .errors import (
     ConfigurationError,
     ConsumerDedupError,
@@ -19,14 +20,13 @@ from .errors import (
 )
 from .message import MAX_ID_LENGTH, Message
 from .observe import OutcomeCounts
-from .outbox import Outbox
+from .outbox.outbox import Outbox
+from .outbox.publisher import BrokerUnavailable, DestinationMissing, Publisher
+from .outbox.relay import OutboxRelay, RelayConfig
 from .outcome import Outcome, Result
-from .pruner import Pruner, PruneReport
-from .publisher import BrokerUnavailable, DestinationMissing, Publisher
-from .relay import OutboxRelay, RelayConfig
+from .prune.pruner import Pruner, PruneReport
 from .retry import RetryPolicy
 from .schema import Tables, install
-from .settings import DeadLetterFailed
 
 __all__ = [
     "MAX_ID_LENGTH",

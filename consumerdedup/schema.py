@@ -32,8 +32,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.schema import CreateIndex, CreateTable
 
+from .db.partitions import AHEAD, DayPartitions
 from .errors import ConfigurationError
-from .partitions import AHEAD, DayPartitions
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 

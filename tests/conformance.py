@@ -4,7 +4,7 @@ An adapter's test module subclasses ``RunnerContract`` and provides a
 ``harness`` fixture: a small object that publishes to, consumes from and
 inspects its broker. What an adapter cannot promise it declares in
 ``Capabilities``; the suite then checks the weaker promise instead of skipping.
-The sentences are in consumerdedup/runner.py.
+The sentences are in consumerdedup/lifecycle.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from aiokafka.errors import KafkaConnectionError
 from consumerdedup import ConfigurationError
 from consumerdedup.adapters.kafka.retention import read_kafka_retention, topic_retention
 from consumerdedup.adapters.rabbitmq.retention import queue_retention, rabbitmq_retention
-from consumerdedup.windows import RetentionUnknown
+from consumerdedup.prune.windows import RetentionUnknown
 from tests import services
 from tests.kafka_service import KafkaService, kafka_fixture  # noqa: F401
 from tests.rabbitmq_service import RABBITMQCTL_NEEDED, amqp_url_fixture  # noqa: F401

@@ -11,7 +11,7 @@ import pytest
 from consumerdedup import ConfigurationError, Pruner
 from consumerdedup.adapters.kafka.retention import kafka_retention
 from consumerdedup.adapters.rabbitmq.retention import rabbitmq_retention
-from consumerdedup.windows import BrokerRetention
+from consumerdedup.prune.windows import BrokerRetention
 from tests import services
 from tests.conftest import Database
 from tests.kafka_service import KafkaService, kafka_fixture  # noqa: F401

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from consumerdedup.redact import Secrets, mask
+from consumerdedup.cli.redact import Secrets, mask
 from tests.test_cli import cli
 
 REFUSED = "connection failed: connection to server at"

@@ -16,7 +16,7 @@ from consumerdedup.adapters.kafka import (
     PublishFailed,
     TopicMissing,
 )
-from consumerdedup.publisher import DestinationMissing
+from consumerdedup.outbox.publisher import DestinationMissing
 from tests.kafka_doubles import no_auto_create
 from tests.kafka_service import (  # noqa: F401
     KafkaService,

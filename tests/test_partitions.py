@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, insert, text
 
-from consumerdedup import ConfigurationError, Deduplicator, Message, Outcome, Tables, install, locks
-from consumerdedup.partitions import AHEAD, DayPartitions, today
+from consumerdedup import ConfigurationError, Deduplicator, Message, Outcome, Tables, install
+from consumerdedup.db import locks
+from consumerdedup.db.partitions import AHEAD, DayPartitions, today
 from consumerdedup.schema import ddl
 from tests.conftest import Database
 from tests.test_pruner import DAY, NOW, US, add_events, pruner, survivors

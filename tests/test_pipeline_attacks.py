@@ -332,9 +332,9 @@ def test_a_key_that_is_never_claimed_nor_found_still_ends_in_bounded_attempts() 
     """The decision logic alone, against a database that never answers a claim or a lookup:
     whatever the cause, undecided messages end RETRY once the attempt budget is spent."""
     from consumerdedup import Tables
-    from consumerdedup.ops import Execute
-    from consumerdedup.pipeline import Pipeline
-    from consumerdedup.statements import Statements
+    from consumerdedup.dedup.ops import Execute
+    from consumerdedup.dedup.pipeline import Pipeline
+    from consumerdedup.dedup.statements import Statements
 
     pipeline = Pipeline(Statements(Tables.define(), "postgresql"), "c", FAST, claim_first=True)
     batch = pipeline.start([order("x1"), order("x2")])

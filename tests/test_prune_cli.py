@@ -24,7 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy import insert, select, text
 from sqlalchemy.engine import make_url
 
-from consumerdedup.prune_statements import PruneStatements
+from consumerdedup.prune.statements import PruneStatements
 from tests import services
 from tests.conftest import Database
 from tests.kafka_service import KafkaService, kafka_fixture  # noqa: F401

@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import create_engine, insert, select, text
 
 from consumerdedup import ConfigurationError, Pruner
-from consumerdedup.prune_statements import PruneStatements
-from consumerdedup.pruner import PruneProgress, PruneReport
-from consumerdedup.windows import UnknownConsumer
+from consumerdedup.prune.pruner import PruneProgress, PruneReport
+from consumerdedup.prune.statements import PruneStatements
+from consumerdedup.prune.windows import UnknownConsumer
 from tests.conftest import Database
 from tests.test_runner import MARGIN, NOTICED
 

@@ -128,7 +128,7 @@ class LiveConsumer:
 @pytest.mark.postgres
 def test_dropping_days_under_a_running_consumer_loses_nothing(pg_partitioned: Database) -> None:
     """Drops take an exclusive lock on the table: consumers wait, none fails, no young row goes."""
-    from consumerdedup.partitions import DayPartitions
+    from consumerdedup.db.partitions import DayPartitions
 
     db = pg_partitioned
     pe = db.name("processed_events")

@@ -20,7 +20,7 @@ from consumerdedup.adapters.rabbitmq import (
     Unroutable,
     route,
 )
-from consumerdedup.publisher import DestinationMissing, Publisher
+from consumerdedup.outbox.publisher import DestinationMissing, Publisher
 from consumerdedup.retry import ErrorKind, classify
 from tests.rabbitmq_service import (  # noqa: F401
     Broker,

@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 
-from consumerdedup.runner import StopSwitch
+from consumerdedup.lifecycle import StopSwitch
 
 NOTICED = 0.1
 """The README's promise: stop() (or a stop signal) is noticed within 0.1 s."""

@@ -14,7 +14,8 @@ from typing import Any
 from sqlalchemy import Integer, String, TextualSelect, create_engine, event, text
 from sqlalchemy.orm import Session
 
-from consumerdedup import Deduplicator, Message, Tables, partitioned_statements
+from consumerdedup import Deduplicator, Message, Tables
+from consumerdedup.dedup import partitioned_statements
 
 CRASH_EXIT = 99
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from consumerdedup import MAX_ID_LENGTH, Message
 from consumerdedup.errors import describe
-from consumerdedup.runner import CONSUMER_HEADER, REASON_HEADER
+from consumerdedup.lifecycle import CONSUMER_HEADER, REASON_HEADER
 
 from .config import KafkaConfig
 

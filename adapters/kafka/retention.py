@@ -26,7 +26,7 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped]
 )
 
 from consumerdedup.errors import ConfigurationError
-from consumerdedup.windows import LONGEST, BrokerRetention, RetentionUnknown, SourceRetention
+from consumerdedup.prune.windows import LONGEST, BrokerRetention, RetentionUnknown, SourceRetention
 
 RETENTION_MS = "retention.ms"
 SEGMENT_MS = "segment.ms"

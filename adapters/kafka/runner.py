@@ -24,7 +24,7 @@ from consumerdedup import (
     Result,
 )
 from consumerdedup.errors import describe
-from consumerdedup.runner import BeforeAck, ConsumerRunner
+from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig
 from .convert import coordinates, dead_letter_headers, to_message

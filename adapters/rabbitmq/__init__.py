@@ -7,7 +7,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "consumerdedup.adapters.rabbitmq needs pika: pip install 'consumerdedup[rabbitmq]'"
     ) from exc
 
-from consumerdedup.publisher import Publisher
+from consumerdedup.outbox.publisher import Publisher
 
 from .config import DEFAULT_URL, KeyFunction, RabbitConfig
 from .convert import SOURCE_HEADER, Delivery

@@ -11,7 +11,7 @@ import pika  # type: ignore[import-untyped]
 
 from consumerdedup import InvalidMessage, Message
 from consumerdedup.errors import describe
-from consumerdedup.runner import CONSUMER_HEADER, REASON_HEADER
+from consumerdedup.lifecycle import CONSUMER_HEADER, REASON_HEADER
 
 from .config import RabbitConfig
 

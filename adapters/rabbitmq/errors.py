@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from consumerdedup import ConsumerDedupError, publisher
+from consumerdedup import ConsumerDedupError
+from consumerdedup.outbox import publisher
 
 
 class RabbitError(ConsumerDedupError):

@@ -25,7 +25,7 @@ import pika  # type: ignore[import-untyped]
 import pika.exceptions  # type: ignore[import-untyped]
 
 from consumerdedup.errors import ConfigurationError
-from consumerdedup.windows import BrokerRetention, RetentionUnknown, SourceRetention
+from consumerdedup.prune.windows import BrokerRetention, RetentionUnknown, SourceRetention
 
 TTL_ARGUMENT = "x-message-ttl"
 TTL_POLICY = "message-ttl"

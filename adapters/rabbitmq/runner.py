@@ -13,7 +13,7 @@ from typing import Any
 import pika.exceptions  # type: ignore[import-untyped]
 
 from consumerdedup import AsyncDedupHandler, ConfigurationError, DedupHandler, Message, Outcome
-from consumerdedup.runner import BeforeAck, ConsumerRunner
+from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
 from .connection import close_quietly, connect, parameters, reconnect_wait

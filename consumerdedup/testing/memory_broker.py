@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ..errors import SimulatedCrash
+from ..lifecycle import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
 from ..message import Message
-from ..runner import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
 
 __all__ = ["CONSUMER_HEADER", "REASON_HEADER", "Delivery", "MemoryBroker"]
 

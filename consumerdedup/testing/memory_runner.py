@@ -8,9 +8,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from ..deduplicator import DedupHandler
+from ..dedup.deduplicator import DedupHandler
+from ..lifecycle import BeforeAck, ConsumerRunner
 from ..outcome import Outcome, Result
-from ..runner import BeforeAck, ConsumerRunner
 from .memory_broker import Delivery, MemoryBroker
 
 _names = itertools.count(1)

@@ -22,8 +22,8 @@ from sqlalchemy import (
     update,
 )
 
-from . import locks
-from .schema import Tables
+from ..db import locks
+from ..schema import Tables
 
 WINDOW = 4
 """Rows scanned per round, as a multiple of the batch size."""

@@ -25,15 +25,15 @@ from typing import Any
 import tenacity
 from sqlalchemy import Engine
 
-from . import sqlite
-from .errors import ConfigurationError, describe
+from ..db import sqlite
+from ..dedup.statements import utcnow
+from ..errors import ConfigurationError, describe
+from ..lifecycle import StopSwitch
+from ..retry import ErrorKind, classify
+from ..schema import DEFAULT, Tables
+from .listener import Listener
 from .publisher import DestinationMissing, Publisher
-from .relay_listener import Listener
-from .relay_statements import RelayStatements
-from .retry import ErrorKind, classify
-from .runner import StopSwitch
-from .schema import DEFAULT, Tables
-from .statements import utcnow
+from .statements import RelayStatements
 
 logger = logging.getLogger("consumerdedup.relay")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import DateTime, Integer, String, Table, TextualSelect, bindparam, text
 
-from . import locks
+from ..db import locks
 
 
 def lookup(table: Table) -> TextualSelect:

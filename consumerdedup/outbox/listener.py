@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from .runner import StopSwitch
+from ..lifecycle import StopSwitch
 
 logger = logging.getLogger("consumerdedup.relay")
 

@@ -12,11 +12,11 @@ import importlib
 import logging
 from typing import Any
 
-from . import durations
-from .cli import CommandError, UsageError, _missing, _names, _setup
-from .errors import ConfigurationError, describe
+from .. import durations
+from ..errors import ConfigurationError, describe
+from ..outbox.relay import OutboxRelay, RelayConfig
+from .main import CommandError, UsageError, _missing, _names, _setup
 from .redact import shown
-from .relay import OutboxRelay, RelayConfig
 
 log = logging.getLogger(__name__)
 

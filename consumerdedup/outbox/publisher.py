@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Mapping
 from typing import Protocol, runtime_checkable
 
-from .errors import ConsumerDedupError
+from ..errors import ConsumerDedupError
 
 
 class BrokerUnavailable(ConsumerDedupError, ConnectionError):

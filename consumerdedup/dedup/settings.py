@@ -7,14 +7,14 @@ from typing import Any
 
 import tenacity
 
-from .errors import ConfigurationError, InvalidMessage, PermanentError, describe
-from .message import validate_id
-from .observe import OutcomeCounts, log_result, logger
+from ..errors import ConfigurationError, InvalidMessage, PermanentError, describe
+from ..message import validate_id
+from ..observe import OutcomeCounts, log_result, logger
+from ..outcome import Outcome, Result
+from ..retry import RetryPolicy
+from ..schema import DEFAULT, Tables
 from .ops import AttemptReport
-from .outcome import Outcome, Result
 from .pipeline import Pipeline
-from .retry import RetryPolicy
-from .schema import DEFAULT, Tables
 from .statements import Statements
 
 Observer = Callable[[Result], None]

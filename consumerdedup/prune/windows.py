@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from . import durations
-from .errors import ConfigurationError, ConsumerDedupError
+from .. import durations
+from ..errors import ConfigurationError, ConsumerDedupError
 
 LONGEST = timedelta(days=36500)
 """Windows beyond a century are "forever" in disguise: say None instead."""

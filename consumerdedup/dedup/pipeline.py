@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .errors import (
+from ..errors import (
     ConfigurationError,
     HeldBack,
     InvalidMessage,
@@ -23,8 +23,10 @@ from .errors import (
     RetryLater,
     describe,
 )
-from .message import Message, payload_hash, validate_id
-from .observe import logger
+from ..message import Message, payload_hash, validate_id
+from ..observe import logger
+from ..outcome import Outcome, Result
+from ..retry import ErrorKind, RetryPolicy
 from .ops import (
     Attempt,
     AttemptReport,
@@ -34,8 +36,6 @@ from .ops import (
     Op,
     Rollback,
 )
-from .outcome import Outcome, Result
-from .retry import ErrorKind, RetryPolicy
 from .statements import Recorded, Statements, utcnow
 
 

@@ -10,7 +10,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
-from .message import Message
+from ..message import Message
 
 
 @dataclass(frozen=True, slots=True)

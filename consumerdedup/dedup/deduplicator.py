@@ -10,10 +10,13 @@ import tenacity
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import sqlite
-from .errors import ConfigurationError, PermanentError
+from ..db import sqlite
+from ..errors import ConfigurationError, PermanentError
+from ..message import Message
+from ..outcome import Outcome, Result
+from ..retry import RetryPolicy
+from ..schema import DEFAULT, Tables
 from .handler_guard import HandlerCall, guard
-from .message import Message
 from .ops import (
     Attempt,
     AttemptReport,
@@ -23,10 +26,7 @@ from .ops import (
     Op,
     Rollback,
 )
-from .outcome import Outcome, Result
 from .pipeline import Batch, Pipeline
-from .retry import RetryPolicy
-from .schema import DEFAULT, Tables
 from .settings import DeduplicatorSettings, Observer
 
 HandlerFn = Callable[[Message, Session], Any]

@@ -53,7 +53,7 @@ class DayPartitions:
     """The partition DDL and catalog reads for one processed_events table."""
 
     def __init__(self, table: Table) -> None:
-        from .schema import fit_name  # schema imports this module for install()
+        from ..schema import fit_name  # schema imports this module for install()
 
         self.table = table
         self._schema_prefix = f"{_quote(table.schema)}." if table.schema else ""

@@ -13,11 +13,11 @@ from sqlalchemy import String, Table, bindparam, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from . import locks
-from .errors import ConfigurationError
-from .runner import ID_HEADER
-from .schema import DEFAULT, ID_LENGTH, Tables
-from .statements import utcnow
+from ..db import locks
+from ..dedup.statements import utcnow
+from ..errors import ConfigurationError
+from ..lifecycle import ID_HEADER
+from ..schema import DEFAULT, ID_LENGTH, Tables
 
 _clock = threading.Lock()
 _last = [0, 0]  # millisecond, counter

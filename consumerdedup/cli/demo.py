@@ -24,16 +24,16 @@ from typing import Any, TextIO
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from .deduplicator import DedupHandler, Deduplicator
-from .errors import PermanentError, SimulatedCrash
-from .message import Message
-from .outbox import Outbox
-from .outcome import Outcome
-from .relay import OutboxRelay
-from .runner import REASON_HEADER
-from .schema import install
-from .testing import MemoryBroker, MemoryConsumerRunner
-from .testing.memory_broker import Delivery
+from ..dedup.deduplicator import DedupHandler, Deduplicator
+from ..errors import PermanentError, SimulatedCrash
+from ..lifecycle import REASON_HEADER
+from ..message import Message
+from ..outbox.outbox import Outbox
+from ..outbox.relay import OutboxRelay
+from ..outcome import Outcome
+from ..schema import install
+from ..testing import MemoryBroker, MemoryConsumerRunner
+from ..testing.memory_broker import Delivery
 
 QUEUE = "payments"
 EVENTS = "account-events"

@@ -27,8 +27,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from . import locks
-from .schema import Tables
+from ..db import locks
+from ..schema import Tables
 
 EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
 

@@ -11,9 +11,9 @@ from sqlalchemy import Select, TextualSelect, bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
+from ..errors import ConfigurationError, describe
+from ..schema import Tables
 from . import partitioned_statements
-from .errors import ConfigurationError, describe
-from .schema import Tables
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite")
 

@@ -24,10 +24,10 @@ from sqlalchemy import Engine, Table, case, create_engine, func, inspect, select
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
-from .errors import ConfigurationError, describe
-from .partitions import DayPartitions
+from ..db.partitions import DayPartitions
+from ..errors import ConfigurationError, describe
+from ..schema import Tables, ddl, install
 from .redact import Secrets, shown
-from .schema import Tables, ddl, install
 
 PROG = "consumerdedup"
 ENV_URL = "CONSUMERDEDUP_DB_URL"
@@ -289,13 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats = command("stats", cmd_stats, "counts per consumer and of the outbox")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     command("demo", cmd_demo, "run the embedded demo (SQLite and an in-memory broker)")
-    # prune lives in prune_cli.py, imported here because it imports this module.
-    from .prune_cli import add_arguments, cmd_prune
+    # prune lives in prune.py, imported here because it imports this module.
+    from .prune import add_arguments, cmd_prune
 
     text = "delete dedup records older than retention + buffer, once or --every"
     add_arguments(command("prune", cmd_prune, text))
-    from .relay_cli import add_arguments as add_relay_arguments
-    from .relay_cli import cmd_relay
+    from .relay import add_arguments as add_relay_arguments
+    from .relay import cmd_relay
 
     text = "publish committed outbox rows to Kafka or RabbitMQ until SIGTERM (or --once)"
     add_relay_arguments(command("relay", cmd_relay, text))

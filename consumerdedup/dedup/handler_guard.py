@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .errors import CommitInHandler, TransactionBroken, describe
+from ..errors import CommitInHandler, TransactionBroken, describe
 
 _HANDLER_RUNNING = "consumerdedup.handler_running"
 _LAST_ERROR = "consumerdedup.last_error"

@@ -24,13 +24,13 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from . import sqlite
-from .errors import ConfigurationError, describe
-from .partitions import DayPartitions
-from .prune_statements import EARLIEST, PruneStatements
-from .runner import StopSwitch
-from .schema import DEFAULT, Tables
-from .statements import SUPPORTED_DIALECTS, utcnow
+from ..db import sqlite
+from ..db.partitions import DayPartitions
+from ..dedup.statements import SUPPORTED_DIALECTS, utcnow
+from ..errors import ConfigurationError, describe
+from ..lifecycle import StopSwitch
+from ..schema import DEFAULT, Tables
+from .statements import EARLIEST, PruneStatements
 from .windows import UnknownConsumer, Window, check_window, default_buffer, plain, scoped
 
 logger = logging.getLogger("consumerdedup.pruner")

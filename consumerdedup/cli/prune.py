@@ -17,12 +17,12 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import durations
-from .cli import CommandError, UsageError, _missing, _names, _setup
-from .errors import ConfigurationError, describe
-from .pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
+from .. import durations
+from ..errors import ConfigurationError, describe
+from ..prune.pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
+from ..prune.windows import BrokerRetention, RetentionUnknown, UnknownConsumer
+from .main import CommandError, UsageError, _missing, _names, _setup
 from .redact import shown
-from .windows import BrokerRetention, RetentionUnknown, UnknownConsumer
 
 PROGRESS_EVERY = "5s"
 """Default time between progress lines of a long round."""

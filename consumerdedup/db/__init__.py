@@ -1,0 +1,1 @@
+"""Database helpers below everything else: partitions, SQLite transactions, advisory locks."""

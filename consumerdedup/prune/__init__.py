@@ -1,0 +1,5 @@
+"""The retention pruner: deletes dedup records no redelivery can need any more."""
+
+from .pruner import Pruner, PruneReport
+
+__all__ = ["PruneReport", "Pruner"]
