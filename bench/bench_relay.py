@@ -54,7 +54,7 @@ from sqlalchemy.orm import Session
 from consumerdedup import Outbox, OutboxRelay, RelayConfig, Tables, install
 from consumerdedup.adapters.kafka import KafkaPublisher
 from consumerdedup.adapters.rabbitmq import RabbitPublisher
-from consumerdedup.lifecycle import ID_HEADER
+from consumerdedup.headers import ID_HEADER
 from consumerdedup.testing import MemoryBroker
 
 sys.path.insert(0, os.path.dirname(__file__))

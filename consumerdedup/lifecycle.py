@@ -27,15 +27,6 @@ from .outcome import Outcome, Result
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-ID_HEADER = "event_id"
-"""The header that carries a message's dedup id (the outbox sets it on every event)."""
-REASON_HEADER = "x-dead-letter-reason"
-"""On a dead letter: why the message failed (``Result.reason``)."""
-CONSUMER_HEADER = "x-dead-letter-consumer"
-"""On a dead letter: the consumer that refused it."""
-DEAD_LETTER_SUFFIX = ".dlq"
-"""Default dead-letter destination: the source's name plus this."""
-
 BeforeAck = Callable[[Sequence[Result]], None]
 
 _SIGNAL_CHECK = 0.1

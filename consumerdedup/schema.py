@@ -7,8 +7,6 @@ creates them directly, idempotently.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -32,32 +30,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.schema import CreateIndex, CreateTable
 
+from .db.names import fit_name, split_name
 from .db.partitions import AHEAD, DayPartitions
 from .errors import ConfigurationError
-
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 ID_LENGTH = 255
 
 
-def split_name(name: str) -> tuple[str | None, str]:
-    """Split ``"schema.table"`` and validate both parts as SQL identifiers."""
-    parts = name.split(".") if isinstance(name, str) else [name]
-    if len(parts) > 2 or not all(isinstance(p, str) and _IDENTIFIER.fullmatch(p) for p in parts):
-        raise ConfigurationError(
-            f"invalid table name {name!r}: use letters, digits and _ "
-            "(at most 63 each, not starting with a digit), optionally as schema.table"
-        )
-    return (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
-
-
-def fit_name(prefix: str, table: str, what: str) -> str:
-    """``<prefix><table>_<what>``, shortened with a hash to fit PostgreSQL's 63-character limit."""
-    name = f"{prefix}{table}_{what}"
-    if len(name) <= 63:
-        return name
-    digest = hashlib.sha1(table.encode()).hexdigest()[:8]
-    return f"{prefix}{table[: 63 - len(prefix) - len(what) - 10]}_{digest}_{what}"
+def utcnow() -> datetime:
+    """The time stamped in our tables' columns (timezone-aware, UTC)."""
+    return datetime.now(UTC)
 
 
 def _index_name(table: str, what: str) -> str:

@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 from consumerdedup import AsyncDeduplicator, Message, Result, RetryPolicy, SimulatedCrash
 from consumerdedup.adapters.kafka import KafkaConsumerRunner
-from consumerdedup.lifecycle import ID_HEADER, REASON_HEADER
+from consumerdedup.headers import ID_HEADER, REASON_HEADER
 from tests.conformance import Capabilities, RunnerContract
 from tests.flavors import Behavior
 from tests.kafka_service import KafkaService, Topics, kafka_fixture  # noqa: F401

@@ -38,7 +38,7 @@ from consumerdedup.adapters.kafka import (
     KafkaConfig,
     KafkaConsumerRunner,
 )
-from consumerdedup.lifecycle import CONSUMER_HEADER, ID_HEADER, REASON_HEADER
+from consumerdedup.headers import CONSUMER_HEADER, ID_HEADER, REASON_HEADER
 from tests.kafka_doubles import grants_idempotence
 from tests.kafka_service import (  # noqa: F401
     KafkaService,

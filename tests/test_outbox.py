@@ -23,7 +23,7 @@ from consumerdedup import (
     RelayConfig,
     SimulatedCrash,
 )
-from consumerdedup.lifecycle import ID_HEADER
+from consumerdedup.headers import ID_HEADER
 from consumerdedup.testing import MemoryBroker
 
 QUICK = RelayConfig(

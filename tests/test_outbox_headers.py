@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from consumerdedup import ConfigurationError, Outbox, OutboxRelay
-from consumerdedup.lifecycle import ID_HEADER
+from consumerdedup.headers import ID_HEADER
 from consumerdedup.testing import MemoryBroker
 from tests.conftest import Database
 

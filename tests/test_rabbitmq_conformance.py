@@ -12,7 +12,7 @@ from sqlalchemy import text
 
 from consumerdedup import Deduplicator, Message, Result, RetryPolicy, SimulatedCrash
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
-from consumerdedup.lifecycle import REASON_HEADER
+from consumerdedup.headers import REASON_HEADER
 from tests.conformance import Capabilities, RunnerContract
 from tests.flavors import Behavior
 from tests.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401

@@ -14,7 +14,7 @@ import pika
 import pytest
 
 from consumerdedup import Outcome
-from consumerdedup.lifecycle import REASON_HEADER
+from consumerdedup.headers import REASON_HEADER
 from tests.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.tcp_proxy import Proxy
 from tests.test_rabbitmq_runner import Consumer, body

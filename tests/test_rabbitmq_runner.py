@@ -29,7 +29,7 @@ from consumerdedup.adapters.rabbitmq import (
     RabbitConsumerRunner,
     TopologyError,
 )
-from consumerdedup.lifecycle import CONSUMER_HEADER, REASON_HEADER
+from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER
 from tests.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.test_runner import MARGIN, NOTICED
 

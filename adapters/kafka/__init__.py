@@ -7,8 +7,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "consumerdedup.adapters.kafka needs aiokafka: pip install 'consumerdedup[kafka]'"
     ) from exc
 
+from consumerdedup.headers import SOURCE_HEADER
+
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig, KeyFunction
-from .convert import OFFSET_HEADER, PARTITION_HEADER, SOURCE_HEADER
+from .convert import OFFSET_HEADER, PARTITION_HEADER
 from .errors import BrokerUnavailable, KafkaAdapterError, PublishFailed, TopicMissing
 from .publisher import KafkaPublisher
 from .runner import KafkaConsumerRunner

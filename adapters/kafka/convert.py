@@ -9,12 +9,10 @@ from typing import Any
 
 from consumerdedup import MAX_ID_LENGTH, Message
 from consumerdedup.errors import describe
-from consumerdedup.lifecycle import CONSUMER_HEADER, REASON_HEADER
+from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 
 from .config import KafkaConfig
 
-SOURCE_HEADER = "x-dead-letter-source"
-"""On a dead letter: the topic it was consumed from."""
 PARTITION_HEADER = "x-dead-letter-partition"
 OFFSET_HEADER = "x-dead-letter-offset"
 """On a dead letter: where it was in the source topic (decimal text)."""

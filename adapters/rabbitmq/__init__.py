@@ -7,10 +7,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "consumerdedup.adapters.rabbitmq needs pika: pip install 'consumerdedup[rabbitmq]'"
     ) from exc
 
+from consumerdedup.headers import SOURCE_HEADER
 from consumerdedup.outbox.publisher import Publisher
 
 from .config import DEFAULT_URL, KeyFunction, RabbitConfig
-from .convert import SOURCE_HEADER, Delivery
+from .convert import Delivery
 from .errors import (
     BrokerUnavailable,
     ExchangeMissing,

@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from consumerdedup import ConfigurationError, Message
-from consumerdedup.lifecycle import DEAD_LETTER_SUFFIX, ID_HEADER
+from consumerdedup.headers import DEAD_LETTER_SUFFIX, ID_HEADER
 
 DEFAULT_URL = "amqp://guest:guest@localhost:5672/%2F"
 MAX_NAME_BYTES = 255

@@ -11,12 +11,10 @@ import pika  # type: ignore[import-untyped]
 
 from consumerdedup import InvalidMessage, Message
 from consumerdedup.errors import describe
-from consumerdedup.lifecycle import CONSUMER_HEADER, REASON_HEADER
+from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 
 from .config import RabbitConfig
 
-SOURCE_HEADER = "x-dead-letter-source"
-"""On a dead letter: the queue it was consumed from."""
 MAX_REASON = 1000
 """Reasons are cut to this many characters: headers must fit in one AMQP frame."""
 

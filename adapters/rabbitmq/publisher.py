@@ -15,7 +15,7 @@ import pika.exceptions  # type: ignore[import-untyped]
 import tenacity
 
 from consumerdedup import ConfigurationError, InvalidMessage
-from consumerdedup.lifecycle import ID_HEADER
+from consumerdedup.headers import ID_HEADER
 
 from .config import DEFAULT_URL
 from .connection import backoff, close_quietly, connect, parameters

@@ -11,10 +11,12 @@ balance must be exactly the sum of the distinct payments.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
 import random
+import sys
 import tempfile
 from collections import Counter, defaultdict
 from functools import partial
@@ -26,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from ..dedup.deduplicator import DedupHandler, Deduplicator
 from ..errors import PermanentError, SimulatedCrash
-from ..lifecycle import REASON_HEADER
+from ..headers import REASON_HEADER
 from ..message import Message
 from ..outbox.outbox import Outbox
 from ..outbox.relay import OutboxRelay
@@ -35,6 +37,9 @@ from ..schema import install
 from ..testing import MemoryBroker, MemoryConsumerRunner
 from ..testing.memory_broker import Delivery
 
+NAME = "demo"
+HELP = "run the embedded demo (SQLite and an in-memory broker)"
+
 QUEUE = "payments"
 EVENTS = "account-events"
 ACCOUNTS = [f"ACC-{n:03d}" for n in range(1, 21)]
@@ -42,7 +47,15 @@ PAYMENTS = 1_000
 CRASHES = 8
 
 
-def run(out: TextIO) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo takes no options of its own."""
+
+
+def run(args: argparse.Namespace) -> int:
+    return play(sys.stdout)
+
+
+def play(out: TextIO) -> int:
     """Run the demo, write its report to ``out``; 0 if every balance came out exact."""
     # The report lists the dead letters; the per-message error log would repeat them.
     log = logging.getLogger("consumerdedup")

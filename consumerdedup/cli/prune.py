@@ -21,9 +21,11 @@ from .. import durations
 from ..errors import ConfigurationError, describe
 from ..prune.pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
 from ..prune.windows import BrokerRetention, RetentionUnknown, UnknownConsumer
-from .main import CommandError, UsageError, _missing, _names, _setup
+from .common import CommandError, UsageError, open_database, require_tables
 from .redact import shown
 
+NAME = "prune"
+HELP = "delete dedup records older than retention + buffer, once or --every"
 PROGRESS_EVERY = "5s"
 """Default time between progress lines of a long round."""
 
@@ -170,7 +172,7 @@ def _text(error: BaseException) -> str:
     return text if text.startswith(type(error).__name__) else describe(error)
 
 
-def cmd_prune(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     retention = _duration(args.retention, "--retention")
     buffer = _duration(args.buffer, "--buffer")
     every = _duration(args.every, "--every")
@@ -182,9 +184,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     progress = timedelta(0) if every_batch else _duration(args.progress_every, "--progress-every")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, not {args.batch_size}")
-    url, engine, tables = _setup(args)
-    if missing := _missing(engine, tables):
-        raise CommandError(f"table(s) not found: {_names(missing)}; run `consumerdedup init-db`")
+    url, engine, tables = open_database(args)
+    require_tables(engine, tables)
     broker = _broker_retention(args)
     if broker is not None:
         print(f"retention from {broker.broker}: {broker.describe()}")

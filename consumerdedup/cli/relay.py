@@ -15,8 +15,11 @@ from typing import Any
 from .. import durations
 from ..errors import ConfigurationError, describe
 from ..outbox.relay import OutboxRelay, RelayConfig
-from .main import CommandError, UsageError, _missing, _names, _setup
+from .common import UsageError, open_database, require_tables
 from .redact import shown
+
+NAME = "relay"
+HELP = "publish committed outbox rows to Kafka or RabbitMQ until SIGTERM (or --once)"
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,8 @@ def _publisher(args: argparse.Namespace) -> Any:
     return adapter.RabbitPublisher(args.amqp)
 
 
-def cmd_relay(args: argparse.Namespace) -> int:
-    url, engine, tables = _setup(args)
+def run(args: argparse.Namespace) -> int:
+    url, engine, tables = open_database(args)
     try:
         config = RelayConfig(
             batch_size=args.batch,
@@ -76,8 +79,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         )
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
-    if missing := _missing(engine, tables):
-        raise CommandError(f"table(s) not found: {_names(missing)}; run `consumerdedup init-db`")
+    require_tables(engine, tables)
     publisher = _publisher(args)
     with OutboxRelay(engine, publisher, tables=tables, config=config) as relay:
         if args.once:

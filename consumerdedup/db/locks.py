@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import Integer, ScalarSelect, Table, column, text
-from sqlalchemy.dialects import postgresql
+
+from .names import table_sql
 
 PRODUCER = "outbox.add"
 RELAY = "outbox.relay"
@@ -29,15 +30,9 @@ so PostgreSQL works it out once per statement, not once per key; a missing table
 error here rather than a NULL class, which would lock nothing."""
 
 
-def table_name(table: Table) -> str:
-    """The table's name as SQL spells it (quoted where needed, schema included if given)."""
-    dialect: Any = postgresql
-    return str(dialect.dialect().identifier_preparer.format_table(table))
-
-
 def space_params(purpose: str, table: Table) -> dict[str, str]:
     """The parameters of SPACE_SQL for ``purpose`` on ``table``."""
-    return {"lock_purpose": purpose, "lock_table": table_name(table)}
+    return {"lock_purpose": purpose, "lock_table": table_sql(table)}
 
 
 def space(purpose: str, table: Table) -> ScalarSelect[Any]:

@@ -26,8 +26,9 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Table, text
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
+
+from .names import fit_name, quote
 
 logger = logging.getLogger("consumerdedup.partitions")
 
@@ -53,19 +54,16 @@ class DayPartitions:
     """The partition DDL and catalog reads for one processed_events table."""
 
     def __init__(self, table: Table) -> None:
-        from ..schema import fit_name  # schema imports this module for install()
-
         self.table = table
-        self._schema_prefix = f"{_quote(table.schema)}." if table.schema else ""
-        self.parent = self._schema_prefix + _quote(table.name)
-        self._fit = fit_name
+        self._schema_prefix = f"{quote(table.schema)}." if table.schema else ""
+        self.parent = self._schema_prefix + quote(table.name)
         self.default_name = fit_name("", table.name, "default")
 
     def qualified(self, name: str) -> str:
-        return self._schema_prefix + _quote(name)
+        return self._schema_prefix + quote(name)
 
     def name_for(self, day: date) -> str:
-        return self._fit("", self.table.name, f"p{day:%Y%m%d}")
+        return fit_name("", self.table.name, f"p{day:%Y%m%d}")
 
     def is_partitioned(self, conn: Connection) -> bool:
         statement = text("SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass(:t)")
@@ -185,11 +183,6 @@ def _local(conn: Connection, **settings: str) -> Iterator[None]:
     conn.execute(text(write), {**params, **{f"v{i}": settings[n] for i, n in enumerate(names)}})
     yield
     conn.execute(text(write), {**params, **{f"v{i}": v for i, v in enumerate(saved)}})
-
-
-def _quote(name: str) -> str:
-    dialect: Any = postgresql
-    return str(dialect.dialect().identifier_preparer.quote(name))
 
 
 def _instant(value: str) -> datetime:

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import DateTime, Integer, String, Table, TextualSelect, bindparam, text
 
 from ..db import locks
+from ..db.names import table_sql
 
 
 def lookup(table: Table) -> TextualSelect:
@@ -24,7 +25,7 @@ def lookup(table: Table) -> TextualSelect:
         text(
             "SELECT k.key AS message_id, r.payload_hash, r.outcome, r.error "
             "FROM unnest(CAST(:keys AS text[])) AS k(key) CROSS JOIN LATERAL "
-            f"(SELECT payload_hash, outcome, error FROM {locks.table_name(table)} "
+            f"(SELECT payload_hash, outcome, error FROM {table_sql(table)} "
             "WHERE consumer = :consumer AND message_id = k.key LIMIT 1) AS r"
         )
         .bindparams(bindparam("consumer", type_=String()))
@@ -53,7 +54,7 @@ def lock(table: Table) -> TextualSelect:
 
 def record(table: Table) -> TextualSelect:
     """INSERT the rows whose key no partition holds; RETURNING the keys inserted."""
-    name = locks.table_name(table)
+    name = table_sql(table)
     return (
         text(
             f"INSERT INTO {name} "

@@ -27,6 +27,7 @@ from ..message import Message, payload_hash, validate_id
 from ..observe import logger
 from ..outcome import Outcome, Result
 from ..retry import ErrorKind, RetryPolicy
+from ..schema import utcnow
 from .ops import (
     Attempt,
     AttemptReport,
@@ -36,7 +37,7 @@ from .ops import (
     Op,
     Rollback,
 )
-from .statements import Recorded, Statements, utcnow
+from .statements import Recorded, Statements
 
 
 @dataclass(eq=False)

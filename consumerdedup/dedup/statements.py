@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Select, TextualSelect, bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
+from ..db.dialects import require_supported
 from ..errors import ConfigurationError, describe
 from ..schema import Tables
 from . import partitioned_statements
-
-SUPPORTED_DIALECTS = ("postgresql", "sqlite")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,19 +25,11 @@ class Recorded:
     error: str | None
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 class Statements:
     """Statements bound to one table set and one dialect; built once, cached by SQLAlchemy."""
 
     def __init__(self, tables: Tables, dialect: str) -> None:
-        if dialect not in SUPPORTED_DIALECTS:
-            raise ConfigurationError(
-                f"unsupported database {dialect!r}: consumerdedup runs on "
-                + " and ".join(SUPPORTED_DIALECTS)
-            )
+        require_supported(dialect)
         pe = tables.processed_events
         self.tables = tables
         self.dialect = dialect

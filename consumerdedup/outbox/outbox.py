@@ -14,10 +14,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ..db import locks
-from ..dedup.statements import utcnow
 from ..errors import ConfigurationError
-from ..lifecycle import ID_HEADER
-from ..schema import DEFAULT, ID_LENGTH, Tables
+from ..headers import ID_HEADER
+from ..schema import DEFAULT, ID_LENGTH, Tables, utcnow
 
 _clock = threading.Lock()
 _last = [0, 0]  # millisecond, counter

@@ -26,11 +26,10 @@ import tenacity
 from sqlalchemy import Engine
 
 from ..db import sqlite
-from ..dedup.statements import utcnow
 from ..errors import ConfigurationError, describe
 from ..lifecycle import StopSwitch
 from ..retry import ErrorKind, classify
-from ..schema import DEFAULT, Tables
+from ..schema import DEFAULT, Tables, utcnow
 from .listener import Listener
 from .publisher import DestinationMissing, Publisher
 from .statements import RelayStatements

@@ -25,11 +25,11 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from ..db import sqlite
+from ..db.dialects import require_supported
 from ..db.partitions import DayPartitions
-from ..dedup.statements import SUPPORTED_DIALECTS, utcnow
 from ..errors import ConfigurationError, describe
 from ..lifecycle import StopSwitch
-from ..schema import DEFAULT, Tables
+from ..schema import DEFAULT, Tables, utcnow
 from .statements import EARLIEST, PruneStatements
 from .windows import UnknownConsumer, Window, check_window, default_buffer, plain, scoped
 
@@ -113,8 +113,7 @@ class Pruner(StopSwitch):
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         super().__init__()
-        if engine.dialect.name not in SUPPORTED_DIALECTS:
-            raise ConfigurationError(f"unsupported database {engine.dialect.name!r}")
+        require_supported(engine.dialect.name)
         common = check_window(scoped(retention, consumers), "retention")
         buffer = check_window(buffer, "buffer")  # None: the default, per window
         own = {

@@ -25,9 +25,9 @@ from sqlalchemy import (
     bindparam,
     text,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 
 from ..db import locks
+from ..db.names import table_sql
 from ..schema import Tables
 
 EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
@@ -61,10 +61,9 @@ class PruneStatements:
         self.postgres = dialect == "postgresql"
         self.named = list(named)
         self.others = others
-        prepare = _preparer(dialect)
         pe, ob = tables.processed_events, tables.outbox
         self._lock_params = locks.space_params(locks.PRUNER, pe)
-        pe_name, ob_name = prepare.format_table(pe), prepare.format_table(ob)
+        pe_name, ob_name = table_sql(pe, dialect), table_sql(ob, dialect)
         stamp = DateTime(timezone=True)
         self._binds: list[BindParameter[Any]] = [
             bindparam("upper", type_=stamp),
@@ -182,9 +181,3 @@ class PruneStatements:
 
     def consumers(self, conn: Connection) -> list[str]:
         return list(conn.execute(self._consumers).scalars())
-
-
-def _preparer(dialect: str) -> Any:
-    """Quotes table names the way the dialect does, without an engine at hand."""
-    module = postgresql if dialect == "postgresql" else sqlite
-    return module.dialect().identifier_preparer

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ..errors import SimulatedCrash
-from ..lifecycle import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
+from ..headers import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
 from ..message import Message
 
 __all__ = ["CONSUMER_HEADER", "REASON_HEADER", "Delivery", "MemoryBroker"]

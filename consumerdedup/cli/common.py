@@ -1,0 +1,95 @@
+"""What every command shares: its errors, the database URL, the engine and the tables.
+
+The URLs a command is given travel as ``args.secrets`` (a redact.Secrets), so
+that whatever prints them shows them masked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from sqlalchemy import Engine, Table, create_engine, inspect
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from ..db.dialects import SUPPORTED
+from ..errors import ConfigurationError, describe
+from ..schema import Tables
+from .redact import Secrets, shown
+
+PROG = "consumerdedup"
+ENV_URL = "CONSUMERDEDUP_DB_URL"
+
+log = logging.getLogger("consumerdedup.cli")
+
+
+class CommandError(Exception):
+    """A failure reported as one line: exit 1 (runtime)."""
+
+    code = 1
+
+
+class UsageError(CommandError):
+    """Bad input on the command line: exit 2."""
+
+    code = 2
+
+
+def parse_url(raw: str | None, secrets: Secrets) -> URL:
+    """The URL from --db or the environment, validated; bare postgresql gets psycopg 3."""
+    if not raw:
+        raise UsageError(f"no database: pass --db URL or set {ENV_URL}")
+    try:
+        url = make_url(raw)
+    except (ArgumentError, ValueError):  # their messages and tracebacks show the raw URL
+        raise UsageError(
+            "could not parse the database URL; expected e.g. "
+            "postgresql://user@host:5432/db or sqlite:///path/to/file.db"
+        ) from None
+    secrets.add_url(raw, url)
+    if url.drivername in ("postgresql", "postgres"):
+        url = url.set(drivername="postgresql+psycopg")
+    if url.get_backend_name() not in SUPPORTED:
+        raise UsageError(
+            f"unsupported database {url.get_backend_name()!r}: "
+            f"only {' and '.join(SUPPORTED)} are supported"
+        )
+    return url
+
+
+def open_database(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
+    """The URL, an engine and the tables the options name; the engine connects when first used."""
+    try:
+        tables = Tables.define(
+            args.processed_events_table,
+            args.outbox_table,
+            partitioned=getattr(args, "partitioned", False),
+        )
+    except ConfigurationError as error:
+        raise UsageError(str(error)) from None
+    url = parse_url(args.db, args.secrets)
+    log.debug("database %s, tables %s", shown(url), table_names(tables.all))
+    try:
+        return url, create_engine(url), tables
+    except (NoSuchModuleError, ImportError) as error:
+        raise UsageError(f"no driver for {url.drivername!r}: {describe(error)}") from error
+
+
+def missing_tables(engine: Engine, tables: Tables) -> list[Table]:
+    with engine.connect() as conn:
+        inspector = inspect(conn)
+        return [t for t in tables.all if not inspector.has_table(t.name, schema=t.schema)]
+
+
+def require_tables(engine: Engine, tables: Tables) -> None:
+    """CommandError naming the tables that are missing, if any."""
+    if missing := missing_tables(engine, tables):
+        raise CommandError(
+            f"table(s) not found: {table_names(missing)}; run `{PROG} init-db` first"
+        )
+
+
+def table_names(tables: Sequence[Table]) -> str:
+    return ", ".join(t.fullname for t in tables)
