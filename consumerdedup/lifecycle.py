@@ -1,6 +1,6 @@
 """What every consumer runner shares: the stop switch and the signals that flip it.
 
-Runner contract (each sentence has a scenario in tests/conformance.py):
+Runner contract (each sentence has a scenario in tests/contracts/runner.py):
 - A message delivered twice is applied once, and every delivery is acked.
 - A crash between commit and ack leaves the message with the broker, and its
   redelivery is acked as a DUPLICATE.

@@ -11,7 +11,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumerdedup import Tables, install
-from tests import services
+from tests.support import services
 
 
 @dataclass
@@ -153,7 +153,7 @@ def sqlite_db(tmp_path: Path) -> Iterator[Database]:
 @pytest.fixture(params=["sync-claim", "sync-check", "async-claim", "async-check"])
 def flavor(request: pytest.FixtureRequest, db: Database) -> Iterator[object]:
     """Deduplicator or AsyncDeduplicator, claim-first or check-first, on ``db``'s database."""
-    from tests.flavors import AsyncFlavor, SyncFlavor
+    from tests.support.flavors import AsyncFlavor, SyncFlavor
 
     kind, mode = request.param.split("-")
     flavor_class = SyncFlavor if kind == "sync" else AsyncFlavor

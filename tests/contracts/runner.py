@@ -1,0 +1,222 @@
+"""The runner contract, one scenario per sentence, for every broker adapter.
+
+An adapter's test module subclasses ``RunnerContract`` and provides a
+``harness`` fixture: a small object that publishes to, consumes from and
+inspects its broker. What an adapter cannot promise it declares in
+``Capabilities``; the suite then checks the weaker promise instead of skipping.
+The sentences are in consumerdedup/lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pytest
+
+from consumerdedup import Message, PermanentError, RetryLater, SimulatedCrash
+from tests.support.flavors import Behavior
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    ordered: bool = True
+    """Messages of one partition (or queue, with one consumer) are handled in publish order."""
+    batches: bool = True
+    """The runner can handle several messages per transaction."""
+
+
+class Harness(Protocol):
+    capabilities: Capabilities
+    db: Any
+
+    def publish(self, message_id: str | None, body: bytes) -> None:
+        """Publish one message with ``message_id`` carried the broker's usual way."""
+
+    def consume(
+        self, behavior: Behavior, *, batch_size: int = 1, crash_after_commit: bool = False
+    ) -> None:
+        """Run a fresh runner until the source is drained; a crash raises SimulatedCrash."""
+
+    def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
+        """Run a fresh runner in the background; returns a function that stops it and waits."""
+
+    def held(self) -> int:
+        """How many messages the broker still holds for the source (ready plus unacked)."""
+
+    def dead_letters(self) -> list[tuple[str | None, str]]:
+        """(message id, reason) of each dead-lettered message, in order."""
+
+
+def body(amount: int = 1, **controls: Any) -> bytes:
+    return json.dumps({"amount": amount, **controls}).encode()
+
+
+class Ledger:
+    """The business side of every scenario: one row per applied message."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+        self.table = db.create_ledger()
+        self.calls: list[str] = []
+        self._lock = threading.Lock()
+
+    def behavior(self, message: Message) -> list[tuple[str, dict[str, Any]]]:
+        data = message.json()
+        with self._lock:
+            self.calls.append(message.id)
+            seen = self.calls.count(message.id)
+        if data.get("die") and seen == 1:
+            raise SimulatedCrash("the consumer process died inside the handler")
+        if data.get("fail") == "permanent":
+            raise PermanentError("poison: refused by the handler")
+        if seen <= data.get("retry_times", 0):
+            raise RetryLater(f"try {seen} refused")
+        if data.get("slow"):
+            time.sleep(data["slow"])
+        return [
+            (
+                f"INSERT INTO {self.table} (account, amount, message_id) VALUES ('a', :n, :m)",
+                {"n": data["amount"], "m": message.id},
+            )
+        ]
+
+    def applied(self) -> list[str]:
+        with self.db.engine.connect() as conn:
+            return [r[0] for r in conn.exec_driver_sql(f"SELECT message_id FROM {self.table}")]
+
+
+class RunnerContract:
+    """Subclass and provide a ``harness`` fixture to run the contract on a broker."""
+
+    @pytest.fixture
+    def ledger(self, harness: Harness) -> Ledger:
+        return Ledger(harness.db)
+
+    def test_a_message_delivered_twice_is_applied_once(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        harness.publish("m-1", body(5))
+        harness.publish("m-2", body(7))
+        harness.publish("m-1", body(5))
+        harness.consume(ledger.behavior)
+        assert sorted(ledger.applied()) == ["m-1", "m-2"]
+        assert harness.held() == 0
+
+    def test_a_crash_between_commit_and_ack_is_answered_as_duplicate(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        harness.publish("m-1", body(5))
+        with pytest.raises(SimulatedCrash):
+            harness.consume(ledger.behavior, crash_after_commit=True)
+        assert ledger.applied() == ["m-1"]  # committed...
+        assert harness.held() == 1  # ...but never acked
+        harness.consume(ledger.behavior)  # the restarted consumer
+        assert ledger.applied() == ["m-1"]
+        assert ledger.calls == ["m-1"]  # the redelivery did not reach the handler
+        assert harness.held() == 0
+
+    def test_a_runner_that_dies_mid_batch_loses_nothing(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        # The runner dies in a handler with deliveries fetched, committed or not: the
+        # broker must give every one of them to the restarted runner.
+        ids = [f"m-{i}" for i in range(6)]
+        for mid in ids:
+            harness.publish(mid, body(1, die=mid == "m-3"))
+        batch_size = 2 if harness.capabilities.batches else 1
+        with pytest.raises(SimulatedCrash):
+            harness.consume(ledger.behavior, batch_size=batch_size)
+        applied = ledger.applied()
+        assert "m-3" not in applied
+        assert harness.held() == len(ids) - len(applied)
+        harness.consume(ledger.behavior, batch_size=batch_size)  # the restarted runner
+        assert sorted(ledger.applied()) == ids
+        assert harness.held() == 0
+
+    def test_a_runner_that_dies_before_acking_a_batch_loses_nothing(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        ids = [f"m-{i}" for i in range(5)]
+        for mid in ids:
+            harness.publish(mid, body(1))
+        batch_size = 2 if harness.capabilities.batches else 1
+        with pytest.raises(SimulatedCrash):
+            harness.consume(ledger.behavior, batch_size=batch_size, crash_after_commit=True)
+        committed = ledger.applied()
+        assert committed and harness.held() == len(ids)  # committed, but nothing acked
+        harness.consume(ledger.behavior, batch_size=batch_size)
+        assert sorted(ledger.applied()) == ids
+        assert sorted(ledger.calls) == ids  # the committed ones came back as DUPLICATE
+        assert harness.held() == 0
+
+    def test_a_message_to_retry_is_not_acked_and_comes_back(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        # More refusals than the in-process attempts: the broker must redeliver it.
+        harness.publish("m-1", body(5, retry_times=3))
+        harness.publish("m-2", body(7))
+        harness.consume(ledger.behavior)
+        assert sorted(ledger.applied()) == ["m-1", "m-2"]
+        assert ledger.calls.count("m-1") == 4
+        assert harness.held() == 0
+        assert harness.dead_letters() == []
+
+    def test_a_permanent_failure_is_dead_lettered_and_later_messages_go_on(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        harness.publish("m-1", body(1))
+        harness.publish("m-2", body(2, fail="permanent"))
+        harness.publish("m-3", body(3))
+        harness.consume(ledger.behavior)
+        assert sorted(ledger.applied()) == ["m-1", "m-3"]
+        [(dead_id, reason)] = harness.dead_letters()
+        assert dead_id == "m-2" and "poison: refused by the handler" in reason
+        assert harness.held() == 0
+
+    def test_a_malformed_message_is_dead_lettered_not_guessed(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        harness.publish(None, body(1))
+        harness.publish("m-2", b"\x00 not json")
+        harness.publish("m-3", body(3))
+        harness.consume(ledger.behavior)
+        assert ledger.applied() == ["m-3"]
+        reasons = [reason for _, reason in harness.dead_letters()]
+        assert len(reasons) == 2
+        assert "InvalidMessage" in reasons[0] and "DecodeError" in reasons[1]
+        assert harness.held() == 0
+
+    def test_stop_finishes_the_batch_in_flight_and_loses_nothing(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        total = 40
+        for i in range(total):
+            harness.publish(f"m-{i:03d}", body(1, slow=0.02))
+        stop = harness.start(ledger.behavior, batch_size=4 if harness.capabilities.batches else 1)
+        deadline = time.monotonic() + 30
+        while len(ledger.applied()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop()
+        applied = ledger.applied()
+        assert 8 <= len(applied) < total, "stopped too late to test anything"
+        assert harness.held() == total - len(applied)  # every committed message was acked
+        harness.consume(ledger.behavior)
+        assert sorted(ledger.applied()) == [f"m-{i:03d}" for i in range(total)]
+        assert harness.held() == 0
+
+    def test_order_of_one_source_is_kept(self, harness: Harness, ledger: Ledger) -> None:
+        ids = [f"m-{i:03d}" for i in range(30)]
+        for mid in ids:
+            harness.publish(mid, body(1))
+        harness.consume(ledger.behavior, batch_size=7 if harness.capabilities.batches else 1)
+        handled = [mid for mid in ledger.calls]
+        if harness.capabilities.ordered:
+            assert handled == ids
+        else:
+            assert sorted(handled) == ids
+        assert harness.held() == 0
