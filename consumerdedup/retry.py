@@ -50,6 +50,42 @@ class ErrorKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Backoff:
+    """Exponential waits, written once on tenacity: ``first``, doubled per failure in a row,
+    at most ``longest``; with ``jitter``, plus a random share of ``first``, so that clients
+    that failed together do not all come back together.
+
+    It is a tenacity wait (``tenacity.Retrying(wait=backoff)``), and ``delay(n)`` gives
+    the wait after ``n`` failures in a row to loops that count their own failures.
+    """
+
+    first: timedelta
+    longest: timedelta
+    jitter: bool = True
+
+    def __post_init__(self) -> None:
+        if self.first < timedelta(0) or self.longest < self.first:
+            raise ConfigurationError(
+                f"need 0 <= first <= longest, got {self.first} and {self.longest}"
+            )
+
+    def __call__(self, state: tenacity.RetryCallState) -> float:
+        return float(self._wait(state))
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failures in a row (1: the first wait)."""
+        state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+        state.attempt_number = max(1, failures)
+        return self(state)
+
+    @property
+    def _wait(self) -> tenacity.wait.wait_base:
+        first = self.first.total_seconds()
+        exponential = tenacity.wait_exponential(multiplier=first, max=self.longest.total_seconds())
+        return exponential + tenacity.wait_random(0, first) if self.jitter else exponential
+
+
+@dataclass(frozen=True)
 class RetryPolicy:
     """Bounded in-process retries with exponential backoff and jitter (tenacity).
 
@@ -70,12 +106,9 @@ class RetryPolicy:
         if self.initial_delay < timedelta(0) or self.max_delay < self.initial_delay:
             raise ConfigurationError("need 0 <= initial_delay <= max_delay")
 
-    def backoff(self) -> tenacity.wait.wait_base:
-        initial = self.initial_delay.total_seconds()
-        exponential = tenacity.wait_exponential(
-            multiplier=initial, max=self.max_delay.total_seconds()
-        )
-        return exponential + tenacity.wait_random(0, initial)
+    def backoff(self) -> Backoff:
+        """The wait before each attempt after the first."""
+        return Backoff(self.initial_delay, self.max_delay)
 
     def classify(self, exc: BaseException) -> ErrorKind:
         # The library's named errors keep their meaning whatever the extensions say.

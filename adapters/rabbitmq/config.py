@@ -9,6 +9,7 @@ from typing import Any
 
 from consumerdedup import ConfigurationError, Message
 from consumerdedup.headers import DEAD_LETTER_SUFFIX, ID_HEADER
+from consumerdedup.retry import Backoff
 
 DEFAULT_URL = "amqp://guest:guest@localhost:5672/%2F"
 MAX_NAME_BYTES = 255
@@ -76,6 +77,16 @@ class RabbitConfig:
             raise ConfigurationError("need reconnect_delay <= max_reconnect_delay")
         if self.reconnect_timeout is not None and self.reconnect_timeout <= timedelta(0):
             raise ConfigurationError("reconnect_timeout must be positive or None")
+
+    @property
+    def reconnect_backoff(self) -> Backoff:
+        """Between connection attempts, and after lost connections in a row."""
+        return Backoff(self.reconnect_delay, self.max_reconnect_delay)
+
+    @property
+    def redelivery_backoff(self) -> Backoff:
+        """Before a RETRY message is given back, by its RETRYs in a row."""
+        return Backoff(self.retry_delay, self.max_retry_delay, jitter=False)
 
     def dlq(self, queue: str) -> str:
         """The dead-letter queue of ``queue``; ConfigurationError if AMQP cannot name it (a

@@ -12,6 +12,7 @@ import pika.exceptions  # type: ignore[import-untyped]
 import tenacity
 
 from consumerdedup import ConfigurationError
+from consumerdedup.retry import Backoff
 
 from .errors import BrokerUnavailable
 
@@ -48,13 +49,12 @@ def parameters(url: str, options: Mapping[str, Any], name: str) -> Any:
 def connect(
     params: Any,
     *,
-    delay: timedelta,
-    max_delay: timedelta,
+    backoff: Backoff,
     give_up_after: timedelta | None,
     stopping: Callable[[], bool],
     pause: Callable[[float], Any],
 ) -> Any:
-    """A BlockingConnection, retried with exponential backoff and jitter; None if stopped first."""
+    """A BlockingConnection, retried with ``backoff``; None if stopped first."""
     stop: Any = lambda state: stopping()  # noqa: E731 - tenacity takes any callable
     if give_up_after is not None:
         stop = tenacity.stop_any(stop, tenacity.stop_after_delay(give_up_after.total_seconds()))
@@ -65,7 +65,7 @@ def connect(
                 and not isinstance(exc, _REFUSED)
             )
         ),
-        wait=backoff(delay, max_delay),
+        wait=backoff,
         stop=stop,
         sleep=pause,
         before_sleep=_log_attempt,
@@ -80,20 +80,6 @@ def connect(
         if stopping():
             return None
         raise BrokerUnavailable(f"cannot connect to RabbitMQ at {where}: {exc!r}") from exc
-
-
-def backoff(delay: timedelta, max_delay: timedelta) -> Any:
-    """Exponential from ``delay`` up to ``max_delay``, plus up to ``delay`` of jitter."""
-    first, longest = delay.total_seconds(), max_delay.total_seconds()
-    return tenacity.wait_exponential(multiplier=first, max=longest) + tenacity.wait_random(0, first)
-
-
-def reconnect_wait(delay: timedelta, max_delay: timedelta, failures: int) -> float:
-    """The wait before reconnecting after ``failures`` lost connections in a row: the same
-    backoff as connect(), so a broker that accepts and then drops us is not hammered."""
-    state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
-    state.attempt_number = max(1, failures)
-    return float(backoff(delay, max_delay)(state))
 
 
 def close_quietly(connection: Any) -> None:

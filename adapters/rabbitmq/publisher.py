@@ -16,13 +16,16 @@ import tenacity
 
 from consumerdedup import ConfigurationError, InvalidMessage
 from consumerdedup.headers import ID_HEADER
+from consumerdedup.retry import Backoff
 
 from .config import DEFAULT_URL
-from .connection import backoff, close_quietly, connect, parameters
+from .connection import close_quietly, connect, parameters
 from .errors import BrokerUnavailable, ExchangeMissing, PublishFailed, PublishNacked, Unroutable
 
 _names = itertools.count(1)
 PERSISTENT = pika.DeliveryMode.Persistent.value
+BACKOFF = Backoff(timedelta(milliseconds=100), timedelta(seconds=2))
+"""Between connection attempts, and before sending again on a new connection."""
 
 
 def route(destination: str, key: str | None = None) -> tuple[str, str]:
@@ -94,7 +97,7 @@ class RabbitPublisher:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(pika.exceptions.AMQPConnectionError),
             stop=tenacity.stop_after_attempt(self.attempts),
-            wait=backoff(timedelta(milliseconds=100), timedelta(seconds=2)),
+            wait=BACKOFF,
             reraise=True,
         )
         with self._lock:
@@ -131,8 +134,7 @@ class RabbitPublisher:
         self._drop()
         self._connection = connect(
             self._params,
-            delay=timedelta(milliseconds=100),
-            max_delay=timedelta(seconds=2),
+            backoff=BACKOFF,
             give_up_after=self.connect_timeout,
             stopping=lambda: False,
             pause=time.sleep,

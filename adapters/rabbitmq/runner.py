@@ -16,7 +16,7 @@ from consumerdedup import AsyncDedupHandler, ConfigurationError, DedupHandler, M
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
-from .connection import close_quietly, connect, parameters, reconnect_wait
+from .connection import close_quietly, connect, parameters
 from .convert import Delivery, dead_letter_properties, missing_id_reason, to_message
 from .errors import TopologyError
 
@@ -91,9 +91,7 @@ class RabbitConsumerRunner(ConsumerRunner):
             except _LOST as exc:
                 self.reconnects += 1
                 failures = 1 if self._progress else failures + 1
-                wait = reconnect_wait(
-                    self.config.reconnect_delay, self.config.max_reconnect_delay, failures
-                )
+                wait = self.config.reconnect_backoff.delay(failures)
                 log.warning(
                     "%s lost its RabbitMQ connection (%r); reconnecting in %.1fs",
                     self.name,
@@ -120,8 +118,7 @@ class RabbitConsumerRunner(ConsumerRunner):
     def _connect(self) -> Any:
         return connect(
             self._params,
-            delay=self.config.reconnect_delay,
-            max_delay=self.config.max_reconnect_delay,
+            backoff=self.config.reconnect_backoff,
             give_up_after=self.config.reconnect_timeout,
             stopping=lambda: self.stopping,
             pause=self.pause,
@@ -252,13 +249,13 @@ class RabbitConsumerRunner(ConsumerRunner):
         return True
 
     def _backoff(self, messages: Sequence[Message]) -> float:
-        """retry_delay doubled per consecutive RETRY of the same id, up to max_retry_delay."""
-        delay, longest = self.config.retry_delay, self.config.max_retry_delay
+        """The longest wait of ``messages``, each by its RETRYs in a row."""
+        backoff = self.config.redelivery_backoff
         wait = 0.0
         for message in messages:
             key = str(message.id)
             count = self._retries[key] = self._retries.pop(key, 0) + 1
-            wait = max(wait, min(delay * 2 ** min(count - 1, 20), longest).total_seconds())
+            wait = max(wait, backoff.delay(count))
         while len(self._retries) > _RETRY_MEMORY:
             del self._retries[next(iter(self._retries))]
         return wait

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import tenacity
 from sqlalchemy import Engine
 
 from ..db import sqlite
 from ..errors import ConfigurationError, describe
 from ..lifecycle import StopSwitch
-from ..retry import ErrorKind, classify
+from ..retry import Backoff, ErrorKind, classify
 from ..schema import DEFAULT, Tables, utcnow
 from .listener import Listener
 from .publisher import DestinationMissing, Publisher
@@ -54,13 +53,16 @@ class RelayConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_attempts < 1:
             raise ConfigurationError("batch_size and max_attempts must be >= 1")
-        if self.poll_interval <= timedelta(0) or self.initial_backoff > self.max_backoff:
-            raise ConfigurationError("need poll_interval > 0 and initial_backoff <= max_backoff")
+        backoff_ok = timedelta(0) <= self.initial_backoff <= self.max_backoff
+        if self.poll_interval <= timedelta(0) or not backoff_ok:
+            raise ConfigurationError(
+                "need poll_interval > 0 and 0 <= initial_backoff <= max_backoff"
+            )
 
     def backoff(self, attempts: int) -> timedelta:
-        """Exponential in the row's failed attempts, capped."""
-        delay: timedelta = self.initial_backoff * 2 ** max(attempts - 1, 0)
-        return min(delay, self.max_backoff)
+        """Exponential in the row's failed attempts (or the relay's failed rounds), capped."""
+        backoff = Backoff(self.initial_backoff, self.max_backoff, jitter=False)
+        return timedelta(seconds=backoff.delay(attempts))
 
 
 class OutboxRelay(StopSwitch):
@@ -94,10 +96,6 @@ class OutboxRelay(StopSwitch):
         self._idle = threading.Condition()
         self._rounds = 0
         self._broker_trouble = False
-        self._backoff = tenacity.wait_exponential(
-            multiplier=self.config.initial_backoff.total_seconds(),
-            max=self.config.max_backoff.total_seconds(),
-        )
 
     def run_once(self) -> int:
         """One round: claim, publish, mark, commit. Returns how many rows were published."""
@@ -167,13 +165,13 @@ class OutboxRelay(StopSwitch):
                 except Exception as exc:  # the database went away: keep trying
                     failures += 1
                     logger.warning("relay round failed (%s); retrying", describe(exc))
-                    self.pause(self._delay(failures))
+                    self.pause(self.config.backoff(failures).total_seconds())
                     continue
                 finally:
                     self._round_done()
                 if self._broker_trouble:
                     failures += 1
-                    self.pause(self._delay(failures))
+                    self.pause(self.config.backoff(failures).total_seconds())
                     continue
                 failures = 0
                 if count < self.config.batch_size:
@@ -276,11 +274,6 @@ class OutboxRelay(StopSwitch):
         with self._idle:
             self._rounds += 1
             self._idle.notify_all()
-
-    def _delay(self, failures: int) -> float:
-        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
-        state.attempt_number = failures
-        return float(self._backoff(state))
 
 
 def _loop_running() -> bool:

@@ -29,6 +29,7 @@ from ..db.dialects import require_supported
 from ..db.partitions import DayPartitions
 from ..errors import ConfigurationError, describe
 from ..lifecycle import StopSwitch
+from ..retry import Backoff
 from ..schema import DEFAULT, Tables, utcnow
 from .statements import EARLIEST, PruneStatements
 from .windows import UnknownConsumer, Window, check_window, default_buffer, plain, scoped
@@ -37,6 +38,8 @@ logger = logging.getLogger("consumerdedup.pruner")
 
 DEFAULT_BATCH = 5000
 DEFAULT_OUTBOX_KEEP = timedelta(days=7)
+FAILED_ROUND_FIRST = timedelta(seconds=2)
+FAILED_ROUND_LONGEST = timedelta(seconds=512)
 BUSY_RETRY = timedelta(minutes=1)
 """``run``: when another pruner held the lock, try again this soon rather than a period later."""
 
@@ -206,6 +209,9 @@ class Pruner(StopSwitch):
         period = check_window(every, "every", allow_none=False)
         retry = check_window(busy_retry, "busy_retry", allow_none=False)
         assert period is not None and retry is not None
+        # 2s, 4s, ... at most 512s (never longer than a period) between failed rounds.
+        longest = min(period, FAILED_ROUND_LONGEST)
+        backoff = Backoff(min(FAILED_ROUND_FIRST, longest), longest, jitter=False)
         total = failures = 0
         while not self.stopping:
             started = time.monotonic()
@@ -213,7 +219,7 @@ class Pruner(StopSwitch):
                 report = self.run_once()
             except Exception as exc:
                 failures += 1
-                delay = min(period.total_seconds(), 2.0 ** min(failures, 9))
+                delay = backoff.delay(failures)
                 logger.warning("prune round failed (%s); retrying in %.0fs", describe(exc), delay)
                 self.pause(delay)
                 continue
