@@ -51,7 +51,15 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from consumerdedup import Outbox, OutboxRelay, RelayConfig, Tables, install
+from consumerdedup import (
+    AsyncPublisher,
+    Outbox,
+    OutboxRelay,
+    Publisher,
+    RelayConfig,
+    Tables,
+    install,
+)
 from consumerdedup.adapters.kafka import KafkaPublisher
 from consumerdedup.adapters.rabbitmq import RabbitPublisher
 from consumerdedup.headers import ID_HEADER
@@ -74,8 +82,8 @@ class Failure(SystemExit):
         super().__init__(f"BENCH FAILED: {message}")
 
 
-class Timed:
-    """Wraps a Publisher: when each publish returned (by event_id), and how often."""
+class Timing:
+    """Wraps a publisher: when each publish returned (by event_id), and how often."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -88,19 +96,22 @@ class Timed:
         self.duplicates += event_id in self.confirmed
         self.confirmed[event_id] = now
 
+
+class Timed(Timing, Publisher):
+    """A blocking publisher, timed; the relay leaves its context (and the inner one's) at close."""
+
     def publish(self, destination: str, body: bytes, key: Any = None, headers: Any = None) -> None:
         self.inner.publish(destination, body, key, headers)
         self._done(headers)
 
-    def close(self) -> None:  # an async publisher is closed by the relay's close()
-        if not isinstance(self, AsyncTimed) and hasattr(self.inner, "close"):
-            self.inner.close()
+    def __exit__(self, *exc_info: Any) -> None:
+        self.inner.__exit__(*exc_info)
 
 
-class AsyncTimed(Timed):
+class AsyncTimed(Timing, AsyncPublisher):
     """The same for an async publisher, which the relay enters and leaves on its own loop."""
 
-    async def publish(  # type: ignore[override]
+    async def publish(
         self, destination: str, body: bytes, key: Any = None, headers: Any = None
     ) -> None:
         await self.inner.publish(destination, body, key, headers)
@@ -118,7 +129,7 @@ class AsyncTimed(Timed):
 class Target:
     name: str
     destination: str
-    make: Callable[[], Timed]  # a fresh wrapped publisher
+    make: Callable[[], Timed | AsyncTimed]  # a fresh wrapped publisher
     arrived: Callable[[], int]  # what the target holds now
     expected: int = 0  # what it should hold
     runs: dict[int, tuple[int, float]] = field(default_factory=dict)  # batch: (events, s)
@@ -220,7 +231,9 @@ class Bench:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE'))
         self.engine.dispose()
 
-    def relay(self, publisher: Timed, batch_size: int, poll: float = 1.0) -> OutboxRelay:
+    def relay(
+        self, publisher: Timed | AsyncTimed, batch_size: int, poll: float = 1.0
+    ) -> OutboxRelay:
         config = RelayConfig(batch_size=batch_size, poll_interval=timedelta(seconds=poll))
         return OutboxRelay(self.engine, publisher, tables=self.tables, config=config)
 
@@ -231,7 +244,7 @@ class Bench:
                 if i % chunk == chunk - 1 or i == count - 1:
                     session.commit()
 
-    def check(self, target: Target, label: str, relay: OutboxRelay, pub: Timed) -> None:
+    def check(self, target: Target, label: str, relay: OutboxRelay, pub: Timing) -> None:
         problems = []
         if pub.duplicates:
             problems.append(f"{pub.duplicates} events confirmed more than once")
@@ -247,18 +260,15 @@ class Bench:
         with self.engine.begin() as conn:
             conn.execute(text(f"TRUNCATE {self.tables.outbox.fullname}"))
         pub = target.make()
-        try:
-            with self.relay(pub, batch_size) as relay:
-                self.fill(target.destination, WARMUP)
-                warm = relay.drain()
-                self.fill(target.destination, count)
-                with self.engine.begin() as conn:
-                    conn.execute(text(f"ANALYZE {self.tables.outbox.fullname}"))
-                started = time.perf_counter()
-                published = relay.drain()
-                target.runs[batch_size] = (count, time.perf_counter() - started)
-        finally:
-            pub.close()
+        with self.relay(pub, batch_size) as relay:  # leaving it closes the publisher
+            self.fill(target.destination, WARMUP)
+            warm = relay.drain()
+            self.fill(target.destination, count)
+            with self.engine.begin() as conn:
+                conn.execute(text(f"ANALYZE {self.tables.outbox.fullname}"))
+            started = time.perf_counter()
+            published = relay.drain()
+            target.runs[batch_size] = (count, time.perf_counter() - started)
         target.expected += warm + published
         if (warm, published, len(pub.confirmed)) != (WARMUP, count, WARMUP + count):
             raise Failure(
@@ -289,8 +299,7 @@ class Bench:
                 raise Failure(f"{target.name} latency: backlog {relay.backlog()} after 60 s")
         finally:
             relay.stop()
-            thread.join(timeout=30)
-            pub.close()
+            thread.join(timeout=30)  # run() ends by closing the publisher
         if thread.is_alive():
             raise Failure(f"{target.name} latency: the relay thread did not stop within 30 s")
         target.expected += WARMUP + count

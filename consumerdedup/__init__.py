@@ -8,9 +8,11 @@ from .dedup.async_deduplicator import AsyncDedupHandler, AsyncDeduplicator
 from .dedup.deduplicator import DedupHandler, Deduplicator
 from .dedup.settings import DeadLetterFailed
 from .errors import (
+    BrokerUnavailable,
     ConfigurationError,
     ConsumerDedupError,
     DecodeError,
+    DestinationMissing,
     InvalidMessage,
     PayloadMismatch,
     PermanentError,
@@ -21,7 +23,7 @@ from .errors import (
 from .message import MAX_ID_LENGTH, Message
 from .observe import OutcomeCounts
 from .outbox.outbox import Outbox
-from .outbox.publisher import BrokerUnavailable, DestinationMissing, Publisher
+from .outbox.publisher import AsyncPublisher, Publisher
 from .outbox.relay import OutboxRelay, RelayConfig
 from .outcome import Outcome, Result
 from .prune.pruner import Pruner, PruneReport
@@ -32,6 +34,7 @@ __all__ = [
     "MAX_ID_LENGTH",
     "AsyncDedupHandler",
     "AsyncDeduplicator",
+    "AsyncPublisher",
     "BrokerUnavailable",
     "ConfigurationError",
     "ConsumerDedupError",

@@ -81,6 +81,21 @@ class HeldBack(RetryLater):
     """On an ordered source: not tried, because a message ahead of it will be delivered again."""
 
 
+class BrokerUnavailable(ConsumerDedupError, ConnectionError):
+    """The broker cannot be reached or did not answer in time: transient, charged to no event.
+
+    Each adapter raises its own subclass; the outbox relay ends its round and backs off.
+    """
+
+
+class DestinationMissing(ConsumerDedupError):
+    """The broker answered: this destination does not exist (and it does not create it).
+
+    Not a BrokerUnavailable even when the client library calls it retriable:
+    one event's topic must not stop the events of every other key.
+    """
+
+
 class SimulatedCrash(BaseException):
     """Raised by the test broker to kill a consumer between commit and ack.
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from consumerdedup import ConsumerDedupError
-from consumerdedup.outbox import publisher
+from consumerdedup import ConsumerDedupError, errors
 
 
 class KafkaAdapterError(ConsumerDedupError):
@@ -14,11 +13,11 @@ class PublishFailed(KafkaAdapterError):
     """The broker did not acknowledge a record (the aiokafka error is the ``__cause__``)."""
 
 
-class BrokerUnavailable(PublishFailed, publisher.BrokerUnavailable):
+class BrokerUnavailable(PublishFailed, errors.BrokerUnavailable):
     """The broker could not be reached or timed out: transient, so the outbox relay backs
     off without charging the event an attempt."""
 
 
-class TopicMissing(PublishFailed, publisher.DestinationMissing):
+class TopicMissing(PublishFailed, errors.DestinationMissing):
     """The broker answers but has no such topic and does not create it: the outbox relay
     charges the event an attempt and backs it off, holding back only its key."""

@@ -15,6 +15,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 )
 
 from consumerdedup.errors import describe
+from consumerdedup.outbox.publisher import AsyncPublisher
 
 from .config import DEFAULT_BOOTSTRAP, PUBLISHER_OWNED, reject_owned
 from .errors import BrokerUnavailable, PublishFailed, TopicMissing
@@ -25,7 +26,7 @@ TOPIC_LIST_TIMEOUT = 10.0
 either "no such topic" or "no broker"."""
 
 
-class KafkaPublisher:
+class KafkaPublisher(AsyncPublisher):
     """An aiokafka producer with ``acks="all"``; ``destination`` is the topic.
 
     ``enable_idempotence`` (default on) keeps a producer's own retries from

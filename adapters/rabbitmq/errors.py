@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from consumerdedup import ConsumerDedupError
-from consumerdedup.outbox import publisher
+from consumerdedup import ConsumerDedupError, errors
 
 
 class RabbitError(ConsumerDedupError):
     """Something on the RabbitMQ side that the adapter cannot work around."""
 
 
-class BrokerUnavailable(RabbitError, publisher.BrokerUnavailable):
+class BrokerUnavailable(RabbitError, errors.BrokerUnavailable):
     """Cannot reach the broker (or it refused our credentials): transient for the outbox relay."""
 
 
@@ -22,11 +21,11 @@ class PublishFailed(RabbitError):
     """The broker did not confirm a message; publish it again (downstream dedups by event_id)."""
 
 
-class Unroutable(PublishFailed, publisher.DestinationMissing):
+class Unroutable(PublishFailed, errors.DestinationMissing):
     """Published with ``mandatory`` and returned: no queue is bound for it."""
 
 
-class ExchangeMissing(PublishFailed, publisher.DestinationMissing):
+class ExchangeMissing(PublishFailed, errors.DestinationMissing):
     """The exchange does not exist: the broker closed the channel with 404 NOT_FOUND."""
 
 

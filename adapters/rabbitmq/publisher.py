@@ -16,6 +16,7 @@ import tenacity
 
 from consumerdedup import ConfigurationError, InvalidMessage
 from consumerdedup.headers import ID_HEADER
+from consumerdedup.outbox.publisher import Publisher
 from consumerdedup.retry import Backoff
 
 from .config import DEFAULT_URL
@@ -43,7 +44,7 @@ def route(destination: str, key: str | None = None) -> tuple[str, str]:
     return exchange, routing_key or key or ""
 
 
-class RabbitPublisher:
+class RabbitPublisher(Publisher):
     """consumerdedup's Publisher on RabbitMQ: confirms on, ``delivery_mode`` persistent,
     ``mandatory``, ``message_id`` = the ``event_id`` header. Thread-safe (calls are serialized).
 

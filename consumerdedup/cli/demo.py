@@ -31,6 +31,7 @@ from ..errors import PermanentError, SimulatedCrash
 from ..headers import REASON_HEADER
 from ..message import Message
 from ..outbox.outbox import Outbox
+from ..outbox.publisher import Publisher
 from ..outbox.relay import OutboxRelay
 from ..outcome import Outcome
 from ..schema import install
@@ -192,7 +193,7 @@ def _consume(
         return outcomes, restarts
 
 
-class _DiesOnce:
+class _DiesOnce(Publisher):
     """A publisher that dies after ``after`` confirmed publishes, before the relay can mark them."""
 
     def __init__(self, broker: MemoryBroker, after: int) -> None:

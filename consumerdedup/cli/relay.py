@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-from typing import Any
 
 from .. import durations
 from ..errors import ConfigurationError, describe
+from ..outbox.publisher import AsyncPublisher, Publisher
 from ..outbox.relay import OutboxRelay, RelayConfig
 from .common import UsageError, open_database, require_tables
 from .redact import shown
@@ -56,16 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _publisher(args: argparse.Namespace) -> Any:
+def _publisher(args: argparse.Namespace) -> Publisher | AsyncPublisher:
     broker = "kafka" if args.kafka else "rabbitmq"
     try:
         adapter = importlib.import_module(f"consumerdedup.adapters.{broker}")
     except ImportError as error:
         raise UsageError(describe(error)) from None
+    publisher: Publisher | AsyncPublisher
     if args.kafka:
-        return adapter.KafkaPublisher(args.kafka, enable_idempotence=not args.no_idempotence)
-    args.secrets.add_url(args.amqp)
-    return adapter.RabbitPublisher(args.amqp)
+        publisher = adapter.KafkaPublisher(args.kafka, enable_idempotence=not args.no_idempotence)
+    else:
+        args.secrets.add_url(args.amqp)
+        publisher = adapter.RabbitPublisher(args.amqp)
+    return publisher
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,8 +93,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"relay running on {shown(url)}; SIGTERM or SIGINT stops it", flush=True)
             relay.run()
         parked = relay.parked()
-    if hasattr(publisher, "close"):
-        publisher.close()
     if parked:
         log.error("%d event(s) parked after repeated failures: %s", len(parked), parked[:5])
     return 0

@@ -2,7 +2,7 @@
 publishes committed rows through a Publisher."""
 
 from .outbox import Outbox
-from .publisher import Publisher
+from .publisher import AsyncPublisher, Publisher
 from .relay import OutboxRelay, RelayConfig
 
-__all__ = ["Outbox", "OutboxRelay", "Publisher", "RelayConfig"]
+__all__ = ["AsyncPublisher", "Outbox", "OutboxRelay", "Publisher", "RelayConfig"]

@@ -1,12 +1,13 @@
-"""What the outbox relay publishes through: any broker client with one method.
+"""What the outbox relay publishes through: a Publisher, blocking or asyncio.
 
-Contract:
-- ``publish`` returns only once the broker has confirmed the message (acks,
-  publisher confirms); it raises if the broker refused or could not be reached.
-- The message's ``headers`` carry its ``event_id``, and a publisher that has a
-  native message-id field (AMQP ``message_id``) sets it to the same value.
-- A publisher may be blocking or asyncio (``async def publish``); the relay
-  runs either.
+Contract (each sentence has a scenario in tests/contracts/publisher.py, which
+MemoryBroker, RabbitPublisher and KafkaPublisher all pass):
+- ``publish`` returns only once the broker has the message (acks, publisher
+  confirms): a consumer can read it as soon as ``publish`` returned.
+- The message keeps its body and headers; its ``event_id`` header is its id,
+  and a broker with a message-id field of its own (AMQP ``message_id``) carries
+  the same value there.
+- Messages with the same key, published one after the other, arrive in that order.
 - Its errors say whose fault a failure is. BrokerUnavailable (or any
   ConnectionError or TimeoutError): the broker is away, nothing is wrong with
   the event, so the relay ends the round, charges no attempt and backs off.
@@ -14,35 +15,71 @@ Contract:
   not exist, so the relay charges that event an attempt and backs it off,
   holding back only its key; other keys go in the same round. Any other error
   is charged the same way.
+- It is a context manager (``with``; ``async with`` for an AsyncPublisher):
+  leaving it closes what publishing opened, and a closed publisher opens again
+  on its next ``publish``.
+- It is blocking (``Publisher``) or asyncio (``AsyncPublisher``, whose
+  ``publish`` and context are awaited); the relay runs either, an asyncio one
+  on an event loop of its own.
+
+Subclass the protocol to get the context-manager methods for free when there
+is nothing to open or close.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
-from typing import Protocol, runtime_checkable
-
-from ..errors import ConsumerDedupError
-
-
-class BrokerUnavailable(ConsumerDedupError, ConnectionError):
-    """The broker cannot be reached or did not answer in time: transient, charged to no event."""
-
-
-class DestinationMissing(ConsumerDedupError):
-    """The broker answered: this destination does not exist (and it does not create it).
-
-    Not a BrokerUnavailable even when the client library calls it retriable:
-    one event's topic must not stop the events of every other key.
-    """
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
 
 
 @runtime_checkable
 class Publisher(Protocol):
+    """A blocking publisher: ``publish`` waits for the broker's confirmation."""
+
     def publish(
         self,
         destination: str,
         body: bytes,
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
-    ) -> Awaitable[None] | None:
+    ) -> None:
         """Send one message and wait for the broker's confirmation."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Close what publishing opened; the next ``publish`` opens it again."""
+        return None
+
+
+@runtime_checkable
+class AsyncPublisher(Protocol):
+    """An asyncio publisher: ``await publish(...)`` returns once the broker confirmed."""
+
+    async def publish(
+        self,
+        destination: str,
+        body: bytes,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """Send one message and wait for the broker's confirmation."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Close what publishing opened; the next ``publish`` opens it again."""
+        return None

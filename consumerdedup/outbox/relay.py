@@ -13,7 +13,6 @@ next consumer dedups.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -25,12 +24,13 @@ from typing import Any
 from sqlalchemy import Engine
 
 from ..db import sqlite
-from ..errors import ConfigurationError, describe
+from ..errors import ConfigurationError, DestinationMissing, describe
 from ..lifecycle import StopSwitch
 from ..retry import Backoff, ErrorKind, classify
 from ..schema import DEFAULT, Tables, utcnow
 from .listener import Listener
-from .publisher import DestinationMissing, Publisher
+from .publisher import AsyncPublisher, Publisher
+from .sending import Sender
 from .statements import RelayStatements
 
 logger = logging.getLogger("consumerdedup.relay")
@@ -78,7 +78,7 @@ class OutboxRelay(StopSwitch):
     def __init__(
         self,
         engine: Engine,
-        publisher: Publisher,
+        publisher: Publisher | AsyncPublisher,
         *,
         tables: Tables = DEFAULT,
         config: RelayConfig | None = None,
@@ -87,23 +87,18 @@ class OutboxRelay(StopSwitch):
         self.engine = engine
         self.postgres = engine.dialect.name == "postgresql"
         self.publisher = publisher
+        self.sender = Sender(publisher)
         self.tables = tables
         self.config = config or RelayConfig()
         self.statements = RelayStatements(tables, engine.dialect.name)
         self.published = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._entered = False
         self._idle = threading.Condition()
         self._rounds = 0
         self._broker_trouble = False
 
     def run_once(self) -> int:
         """One round: claim, publish, mark, commit. Returns how many rows were published."""
-        if inspect.iscoroutinefunction(self.publisher.publish) and _loop_running():
-            raise ConfigurationError(
-                "OutboxRelay blocks: from asyncio code run it in a thread "
-                "(await asyncio.to_thread(relay.run_once), or relay.run)"
-            )
+        self.sender.check_thread()  # before any row is claimed
         self._broker_trouble = False
         with self.engine.connect() as conn:
             if self.postgres:  # the key locks taken by the claim hold until the marks commit
@@ -181,35 +176,14 @@ class OutboxRelay(StopSwitch):
             self.close()
 
     def close(self) -> None:
-        """Leave the async publisher's context and close the relay's event loop, if any."""
-        if self._loop is None:
-            return
-        try:
-            if self._entered:
-                self._loop.run_until_complete(self.publisher.__aexit__(None, None, None))  # type: ignore[attr-defined]
-        finally:
-            self._entered = False
-            self._loop.close()
-            self._loop = None
+        """Leave the publisher's context (it was entered before the first publish)."""
+        self.sender.close()
 
     def __enter__(self) -> OutboxRelay:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _run_async(self, awaitable: Any) -> Any:
-        """Run an async publisher's coroutine on the relay's own loop (started on first use).
-
-        An async publisher that is an async context manager (an aiokafka-based
-        one, say) is entered on that loop, since its client binds to the loop.
-        """
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        if not self._entered and hasattr(self.publisher, "__aenter__"):
-            self._loop.run_until_complete(self.publisher.__aenter__())
-            self._entered = True
-        return self._loop.run_until_complete(_awaited(awaitable))
 
     def wait_drained(self, timeout: float = 30.0) -> bool:
         """Block until every committed, unparked row is published; True if within ``timeout``.
@@ -242,9 +216,7 @@ class OutboxRelay(StopSwitch):
     def _publish(self, row: Any) -> BaseException | None:
         headers = dict(row.headers or {})
         try:
-            sent = self.publisher.publish(row.destination, row.body, row.key, headers)
-            if inspect.isawaitable(sent):
-                self._run_async(sent)
+            self.sender.publish(row.destination, row.body, row.key, headers)
         except Exception as exc:
             if not isinstance(exc, DestinationMissing) and classify(exc) is ErrorKind.TRANSIENT:
                 self._broker_trouble = True  # the broker is away: end the round, back off
@@ -274,15 +246,3 @@ class OutboxRelay(StopSwitch):
         with self._idle:
             self._rounds += 1
             self._idle.notify_all()
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable

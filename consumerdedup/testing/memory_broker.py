@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from ..errors import SimulatedCrash
 from ..headers import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
 from ..message import Message
+from ..outbox.publisher import Publisher
 
 __all__ = ["CONSUMER_HEADER", "REASON_HEADER", "Delivery", "MemoryBroker"]
 
@@ -66,7 +67,7 @@ class _Queue:
     offsets: itertools.count[int] = field(default_factory=itertools.count)
 
 
-class MemoryBroker:
+class MemoryBroker(Publisher):
     """Queues by name; FIFO; acks by delivery tag; thread-safe.
 
     ``duplicate_rate`` is the chance that an acked message is delivered once

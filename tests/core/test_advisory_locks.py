@@ -21,7 +21,16 @@ from sqlalchemy import Engine, create_engine, event, insert, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from consumerdedup import Deduplicator, Message, Outbox, OutboxRelay, Outcome, Pruner, Tables
+from consumerdedup import (
+    Deduplicator,
+    Message,
+    Outbox,
+    OutboxRelay,
+    Outcome,
+    Pruner,
+    Publisher,
+    Tables,
+)
 from consumerdedup.testing import MemoryBroker
 from tests.conftest import Database, database
 from tests.prune.test_pruner import NOW, clock
@@ -109,7 +118,7 @@ def test_a_key_held_in_one_outbox_does_not_block_the_same_key_in_another(
 # --- the relay -------------------------------------------------------------------------------
 
 
-class GatedPublisher:
+class GatedPublisher(Publisher):
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
         self.broker = MemoryBroker()

@@ -1,13 +1,18 @@
-"""The outbox relay publishing to a Kafka-protocol broker, and a deduplicating consumer after."""
+"""The outbox relay publishing to a Kafka-protocol broker, and a deduplicating consumer after.
+
+The scenarios every broker shares are in tests/contracts/outbox.py; here are Kafka's own:
+a broker restarted mid-stream, and a topic the cluster does not create."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Coroutine, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -20,9 +25,10 @@ from consumerdedup import (
     OutboxRelay,
     Outcome,
     RelayConfig,
-    SimulatedCrash,
 )
 from consumerdedup.adapters.kafka import KafkaPublisher
+from consumerdedup.headers import ID_HEADER
+from tests.contracts.outbox import RelayToBrokerContract
 from tests.support.kafka_doubles import no_auto_create
 from tests.support.kafka_service import (  # noqa: F401
     KafkaService,
@@ -35,109 +41,66 @@ from tests.support.kafka_service import (  # noqa: F401
 )
 from tests.support.outbox_events import Downstream, add_events
 
-FAST = RelayConfig(batch_size=200, poll_interval=timedelta(seconds=0.2))
+T = TypeVar("T")
 
 
 def publisher(kafka: KafkaService) -> KafkaPublisher:
     return KafkaPublisher(kafka.bootstrap, enable_idempotence=kafka.idempotence)
 
 
-def apply_downstream(db: Any, records: list[Any]) -> tuple[list[tuple[str, int]], list[Outcome]]:
-    """Feed every record, in (partition, offset) order, through a deduplicating consumer."""
-    downstream = Downstream(db)
-    outcomes = []
-    for record in records:
-        event_id = dict(record.headers)["event_id"].decode()
-        message = Message(id=event_id, body=record.value, source=record.topic)
-        outcomes.append(downstream.handler(message))
-    return [(event_id, seq) for _, seq, event_id in downstream.applied()], outcomes
+class KafkaSide:
+    """Destinations are topics of four partitions; downstream takes the records in (partition,
+    offset) order through the deduplicating handler. The broker clients run on the side's
+    own event loop, in a thread: the scenarios are blocking, as the relay is."""
+
+    def __init__(self, db: Any, kafka: KafkaService) -> None:
+        self.db = db
+        self.kafka = kafka
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.topics = Topics(kafka)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def publisher(self) -> KafkaPublisher:
+        return publisher(self.kafka)
+
+    def destination(self) -> str:
+        return self._call(self.topics.create("outbox", partitions=4))
+
+    def held(self, destination: str) -> list[tuple[str, int, str]]:
+        found = []
+        for record in self._call(self.topics.records(destination)):
+            key, seq = record.value.decode().split(":")
+            assert record.key == key.encode()  # the event's key is the record's key
+            found.append((key, int(seq), dict(record.headers)[ID_HEADER].decode()))
+        return found
+
+    def consume(self, destination: str, downstream: Downstream) -> Counter[Outcome]:
+        outcomes: Counter[Outcome] = Counter()
+        for record in self._call(self.topics.records(destination)):
+            event_id = dict(record.headers)[ID_HEADER].decode()
+            message = Message(id=event_id, body=record.value, source=record.topic)
+            outcomes[downstream.handler(message)] += 1
+        return outcomes
+
+    def close(self) -> None:
+        try:
+            self._call(self.topics.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
 
 
-@pytest.mark.slow
-async def test_ten_thousand_events_through_three_relays_each_applied_once_in_key_order(
-    kafka: KafkaService, topics: Topics, pg: Any
-) -> None:
-    import asyncio
-
-    topic = await topics.create("outbox", partitions=4)
-    ids = add_events(pg, topic, 10_000, keys=50)
-    relays = [
-        OutboxRelay(pg.engine, publisher(kafka), tables=pg.tables, config=FAST) for _ in range(3)
-    ]
-    threads = [threading.Thread(target=relay.run) for relay in relays]
-    for thread in threads:
-        thread.start()
-    try:
-        assert await asyncio.to_thread(relays[0].wait_drained, 300)
-    finally:
-        for relay in relays:
-            relay.stop()
-        for thread in threads:
-            thread.join(30)
-    assert all(r.published > 0 for r in relays), [r.published for r in relays]
-    # Several relays never publish a row twice while it is in flight (the README), and
-    # nothing failed here: every event is on the topic exactly once.
-    assert sum(r.published for r in relays) == len(ids)
-
-    records = await topics.records(topic)
-    assert len(records) == len(ids)
-    per_key: dict[bytes, list[int]] = defaultdict(list)
-    for record in records:  # (partition, offset) order: a key lives in one partition
-        key, seq = record.value.decode().split(":")
-        assert record.key == key.encode()
-        per_key[record.key].append(int(seq))
-    assert len(per_key) == 50
-    for key, seqs in per_key.items():
-        assert seqs == sorted(seqs), f"{key!r} published out of order"
-    applied, outcomes = apply_downstream(pg, records)
-    assert sorted(e for e, _ in applied) == sorted(ids)  # each exactly once
-    assert outcomes == [Outcome.PROCESSED] * len(ids)  # and no duplicate to answer
-
-
-async def test_relay_killed_after_the_confirm_republishes_and_downstream_answers_duplicate(
-    kafka: KafkaService, topics: Topics, pg: Any
-) -> None:
-    topic = await topics.create("outbox")
-    ids = add_events(pg, topic, 6, keys=2)
-
-    class DiesAfterConfirm:
-        def __init__(self) -> None:
-            self.real = publisher(kafka)
-            self.count = 0
-
-        async def __aenter__(self) -> DiesAfterConfirm:
-            await self.real.start()
-            return self
-
-        async def __aexit__(self, *exc_info: object) -> None:
-            await self.real.stop()
-
-        async def publish(
-            self, destination: str, body: bytes, key: Any = None, headers: Any = None
-        ) -> None:
-            await self.real.publish(destination, body, key, headers)  # acknowledged by the broker
-            self.count += 1
-            if self.count == 3:
-                raise SimulatedCrash("relay killed before marking its rows published")
-
-    import asyncio
-
-    def crash_once() -> None:  # the relay is blocking: from asyncio, it runs in a thread
-        with OutboxRelay(pg.engine, DiesAfterConfirm(), tables=pg.tables, config=FAST) as relay:
-            relay.run_once()
-
-    def drain() -> int:
-        with OutboxRelay(pg.engine, publisher(kafka), tables=pg.tables, config=FAST) as relay:
-            return relay.drain()
-
-    with pytest.raises(SimulatedCrash):
-        await asyncio.to_thread(crash_once)
-    assert await asyncio.to_thread(drain) == 6
-    records = await topics.records(topic)
-    assert len(records) == 9  # the first three went twice: at least once
-    applied, outcomes = apply_downstream(pg, records)
-    assert sorted(e for e, _ in applied) == sorted(ids)
-    assert outcomes.count(Outcome.DUPLICATE) == 3
+class TestRelayToKafka(RelayToBrokerContract):
+    @pytest.fixture
+    def broker_side(self, pg: Any, kafka: KafkaService) -> Iterator[KafkaSide]:
+        side = KafkaSide(pg, kafka)
+        yield side
+        side.close()
 
 
 class Gate:

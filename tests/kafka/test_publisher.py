@@ -16,7 +16,7 @@ from consumerdedup.adapters.kafka import (
     PublishFailed,
     TopicMissing,
 )
-from consumerdedup.outbox.publisher import DestinationMissing
+from consumerdedup.errors import DestinationMissing
 from tests.support.kafka_doubles import no_auto_create
 from tests.support.kafka_service import (  # noqa: F401
     KafkaService,

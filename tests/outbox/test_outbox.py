@@ -13,6 +13,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from consumerdedup import (
+    AsyncPublisher,
     BrokerUnavailable,
     Deduplicator,
     DestinationMissing,
@@ -20,6 +21,7 @@ from consumerdedup import (
     Outbox,
     OutboxRelay,
     Outcome,
+    Publisher,
     RelayConfig,
     SimulatedCrash,
 )
@@ -125,7 +127,7 @@ def test_delete_published_removes_rows(db: Any) -> None:
     assert outbox_rows(db) == []
 
 
-class FlakyPublisher:
+class FlakyPublisher(Publisher):
     """Fails chosen events a number of times, the way a refusing broker would."""
 
     def __init__(self, failures: dict[str, int], error: type[Exception] = ValueError) -> None:
@@ -217,7 +219,7 @@ def test_relay_killed_after_confirmation_republishes_and_downstream_dedups(db: A
     add_events(db, [("e0", None), ("e1", None)])
     broker = MemoryBroker()
 
-    class DiesAfterConfirm:
+    class DiesAfterConfirm(Publisher):
         def publish(self, destination: str, body: bytes, key: Any = None, headers: Any = None):  # type: ignore[no-untyped-def]
             broker.publish(destination, body, key, headers)  # confirmed...
             raise SimulatedCrash("killed before marking the row published")
@@ -340,7 +342,7 @@ def test_wait_drained_with_a_background_relay(db: Any) -> None:
 def test_an_async_publisher_runs_on_the_relays_own_loop(db: Any) -> None:
     import asyncio
 
-    class AsyncMemoryPublisher:
+    class AsyncMemoryPublisher(AsyncPublisher):
         def __init__(self) -> None:
             self.broker = MemoryBroker()
             self.loop: Any = None
@@ -367,3 +369,52 @@ def test_an_async_publisher_runs_on_the_relays_own_loop(db: Any) -> None:
         assert relay.drain() == 3
     assert [m.body for m in publisher.broker.messages("orders")] == [b"a", b"b", b"c"]
     assert (publisher.entered, publisher.exited) == (1, 1)
+
+
+def test_a_blocking_publisher_is_entered_before_its_first_publish_and_left_at_close(
+    db: Any,
+) -> None:
+    class Counting(Publisher):
+        def __init__(self) -> None:
+            self.broker = MemoryBroker()
+            self.entered = self.exited = 0
+
+        def __enter__(self) -> Counting:
+            self.entered += 1
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            self.exited += 1
+
+        def publish(
+            self, destination: str, body: bytes, key: str | None = None, headers: Any = None
+        ) -> None:
+            assert (self.entered, self.exited) == (1, 0)
+            self.broker.publish(destination, body, key, headers)
+
+    publisher = Counting()
+    with OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK) as relay:
+        assert relay.drain() == 0
+        assert publisher.entered == 0  # nothing to publish: nothing opened
+        add_events(db, [("a", "k"), ("b", "k")])
+        assert relay.drain() == 2
+    assert (publisher.entered, publisher.exited) == (1, 1)
+
+
+def test_an_object_with_only_publish_still_works_with_a_deprecation_warning(db: Any) -> None:
+    class OnlyPublish:  # what the first Publisher protocol asked for
+        def __init__(self) -> None:
+            self.broker = MemoryBroker()
+
+        def publish(
+            self, destination: str, body: bytes, key: str | None = None, headers: Any = None
+        ) -> None:
+            self.broker.publish(destination, body, key, headers)
+
+    add_events(db, [("a", "k")])
+    publisher = OnlyPublish()
+    with pytest.warns(DeprecationWarning, match="subclass consumerdedup.Publisher"):
+        relay = OutboxRelay(db.engine, publisher, tables=db.tables, config=QUICK)
+    with relay:
+        assert relay.drain() == 1
+    assert [m.body for m in publisher.broker.messages("orders")] == [b"a"]

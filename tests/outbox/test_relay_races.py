@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.orm import Session
 
-from consumerdedup import Outbox, OutboxRelay, RelayConfig
+from consumerdedup import Outbox, OutboxRelay, Publisher, RelayConfig
 from consumerdedup.testing import MemoryBroker
 from tests.conftest import Database
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.postgres
 LATER = RelayConfig(initial_backoff=timedelta(hours=1), max_backoff=timedelta(hours=1))
 
 
-class Refusing:
+class Refusing(Publisher):
     """A publisher whose broker refuses everything (it is not away: attempts are charged)."""
 
     def __init__(self) -> None:

@@ -26,6 +26,7 @@ from consumerdedup import (
     Outbox,
     OutboxRelay,
     Outcome,
+    Publisher,
     SimulatedCrash,
     Tables,
     install,
@@ -80,7 +81,7 @@ def files(tmp_path: Path) -> Iterator[Files]:
     made.close()
 
 
-class StuckPublisher:
+class StuckPublisher(Publisher):
     """A broker that hangs until released, then turns out to be away."""
 
     def __init__(self) -> None:
@@ -147,7 +148,7 @@ def test_consumers_keep_going_while_a_rabbit_publisher_cannot_connect(files: Fil
     assert relay.backlog() == 11 and relay.parked() == []
 
 
-class CrashAfter:
+class CrashAfter(Publisher):
     """Publishes to a MemoryBroker, then dies right after the ``n``-th confirmation."""
 
     def __init__(self, broker: MemoryBroker, n: int) -> None:
@@ -174,7 +175,7 @@ def test_a_relay_killed_between_publish_and_mark_publishes_again_in_order(files:
     assert len({event_id for event_id, _ in sent}) == 4  # the repeats carry the same event_id
 
 
-class RefuseFirst:
+class RefuseFirst(Publisher):
     """Refuses the first publish of key ``a`` (not a broker outage): that key is held back."""
 
     def __init__(self, broker: MemoryBroker) -> None:

@@ -1,104 +1,60 @@
-"""The outbox relay publishing to the real RabbitMQ, and a deduplicating consumer downstream."""
+"""The outbox relay publishing to the real RabbitMQ, and a deduplicating consumer downstream.
+
+The scenarios every broker shares are in tests/contracts/outbox.py; the outage is
+RabbitMQ's own (a proxy cut between the relay and the broker)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import Counter
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 
-from consumerdedup import (
-    OutboxRelay,
-    Outcome,
-    RelayConfig,
-    SimulatedCrash,
-)
+from consumerdedup import OutboxRelay, Outcome, RelayConfig
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner, RabbitPublisher
+from tests.contracts.outbox import RelayToBrokerContract
 from tests.support.outbox_events import Downstream, add_events
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.support.tcp_proxy import Proxy
 
-FAST = RelayConfig(batch_size=200, poll_interval=timedelta(seconds=0.2))
+
+class RabbitSide:
+    """Destinations are queues; downstream is a RabbitConsumerRunner, as in production."""
+
+    def __init__(self, db: Any, rabbit: Broker) -> None:
+        self.db = db
+        self.rabbit = rabbit
+
+    def publisher(self) -> RabbitPublisher:
+        return RabbitPublisher(self.rabbit.url)
+
+    def destination(self) -> str:
+        return self.rabbit.queue("outbox")
+
+    def held(self, destination: str) -> list[tuple[str, int, str]]:
+        found = []
+        for properties, body in self.rabbit.peek(destination):
+            key, seq = body.decode().split(":")
+            found.append((key, int(seq), properties.message_id))
+        return found
+
+    def consume(self, destination: str, downstream: Downstream) -> Counter[Outcome]:
+        config = RabbitConfig(batch_size=100)
+        url = self.rabbit.url
+        runner = RabbitConsumerRunner(downstream.handler, destination, url=url, config=config)
+        runner.run(until_idle=True)
+        assert self.rabbit.held(destination) == 0
+        return Counter(runner.outcomes)
 
 
-def consume_downstream(db: Any, url: str, queue: str) -> tuple[Downstream, dict[Outcome, int]]:
-    """Apply every event once, through a RabbitMQ runner."""
-    downstream = Downstream(db)
-    config = RabbitConfig(batch_size=100)
-    runner = RabbitConsumerRunner(downstream.handler, queue, url=url, config=config)
-    runner.run(until_idle=True)
-    return downstream, dict(runner.outcomes)
-
-
-@pytest.mark.slow
-def test_ten_thousand_events_through_three_relays_each_applied_once_in_key_order(
-    pg: Any, rabbit: Broker, amqp_url: str
-) -> None:
-    queue = rabbit.queue("outbox")
-    ids = add_events(pg, queue, 10_000, keys=50)
-    relays = [
-        OutboxRelay(pg.engine, RabbitPublisher(amqp_url), tables=pg.tables, config=FAST)
-        for _ in range(3)
-    ]
-    threads = [threading.Thread(target=relay.run) for relay in relays]
-    for thread in threads:
-        thread.start()
-    try:
-        assert relays[0].wait_drained(300)
-    finally:
-        for relay in relays:
-            relay.stop()
-        for thread in threads:
-            thread.join(30)
-    # Several relays never publish a row twice while it is in flight (the README), and
-    # nothing failed here: every event is on the queue exactly once.
-    assert sum(r.published for r in relays) == len(ids)
-    assert all(r.published > 0 for r in relays), [r.published for r in relays]
-    assert rabbit.held(queue) == len(ids)
-
-    downstream, outcomes = consume_downstream(pg, amqp_url, queue)
-    rows = downstream.applied()
-    assert sorted(event_id for _, _, event_id in rows) == sorted(ids)  # each exactly once
-    assert outcomes == {Outcome.PROCESSED: len(ids)}  # and no duplicate to answer
-    per_key: dict[str, list[int]] = defaultdict(list)
-    for key, seq, _ in rows:
-        per_key[key].append(seq)
-    assert len(per_key) == 50
-    for key, seqs in per_key.items():
-        assert seqs == sorted(seqs), f"{key} applied out of order"
-    assert rabbit.held(queue) == 0
-
-
-def test_relay_killed_after_the_confirm_republishes_and_downstream_answers_duplicate(
-    pg: Any, rabbit: Broker, amqp_url: str
-) -> None:
-    queue = rabbit.queue("outbox")
-    ids = add_events(pg, queue, 6, keys=2)
-    real = RabbitPublisher(amqp_url)
-
-    class DiesAfterConfirm:
-        def __init__(self) -> None:
-            self.count = 0
-
-        def publish(self, destination: str, body: bytes, key: Any = None, headers: Any = None):  # type: ignore[no-untyped-def]
-            real.publish(destination, body, key, headers)  # the broker confirmed it
-            self.count += 1
-            if self.count == 3:
-                raise SimulatedCrash("relay killed before marking its rows published")
-
-    with pytest.raises(SimulatedCrash):
-        OutboxRelay(pg.engine, DiesAfterConfirm(), tables=pg.tables, config=FAST).run_once()
-    assert rabbit.held(queue) == 3
-    assert OutboxRelay(pg.engine, real, tables=pg.tables, config=FAST).drain() == 6
-    assert rabbit.held(queue) == 9  # the first three went twice: at least once
-
-    downstream, outcomes = consume_downstream(pg, amqp_url, queue)
-    assert sorted(e for _, _, e in downstream.applied()) == sorted(ids)
-    assert outcomes == {Outcome.PROCESSED: 6, Outcome.DUPLICATE: 3}
+class TestRelayToRabbitMQ(RelayToBrokerContract):
+    @pytest.fixture
+    def broker_side(self, pg: Any, rabbit: Broker) -> RabbitSide:
+        return RabbitSide(pg, rabbit)
 
 
 def test_broker_away_for_seconds_the_relay_backs_off_then_publishes_everything(

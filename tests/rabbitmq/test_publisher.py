@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from consumerdedup import ConfigurationError, Deduplicator, InvalidMessage, Message, Outcome
+from consumerdedup import (
+    ConfigurationError,
+    Deduplicator,
+    DestinationMissing,
+    InvalidMessage,
+    Message,
+    Outcome,
+    Publisher,
+)
 from consumerdedup.adapters.rabbitmq import (
     BrokerUnavailable,
     PublishFailed,
@@ -20,7 +28,6 @@ from consumerdedup.adapters.rabbitmq import (
     Unroutable,
     route,
 )
-from consumerdedup.outbox.publisher import DestinationMissing, Publisher
 from consumerdedup.retry import ErrorKind, classify
 from tests.support.rabbitmq_service import (  # noqa: F401
     Broker,

@@ -1,0 +1,137 @@
+"""The relay's side of a publisher: entered once, driven from blocking code, left once."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import warnings
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+from ..errors import ConfigurationError
+from .publisher import AsyncPublisher, Publisher
+
+T = TypeVar("T")
+
+
+class Sender:
+    """Publishes through a Publisher or an AsyncPublisher from blocking code.
+
+    The publisher's context is entered before the first publish and left by
+    ``close()``. An AsyncPublisher runs on an event loop of the Sender's own
+    (its client binds to that loop), so a thread that runs a loop already
+    cannot drive it.
+    """
+
+    def __init__(self, publisher: Publisher | AsyncPublisher) -> None:
+        if not isinstance(publisher, Publisher | AsyncPublisher):
+            publisher = _adopted(publisher)
+        self.publisher = publisher
+        self.is_async = isinstance(publisher, AsyncPublisher)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._entered = False
+
+    def check_thread(self) -> None:
+        """ConfigurationError if an AsyncPublisher would have to run inside a running loop."""
+        if self.is_async and _loop_running():
+            raise ConfigurationError(
+                "OutboxRelay blocks: from asyncio code run it in a thread "
+                "(await asyncio.to_thread(relay.run_once), or relay.run)"
+            )
+
+    def publish(
+        self, destination: str, body: bytes, key: str | None, headers: Mapping[str, str]
+    ) -> None:
+        """Enter the publisher's context if need be, then publish and wait for the broker."""
+        publisher = self.publisher
+        if isinstance(publisher, AsyncPublisher):
+            if not self._entered:
+                self._await(publisher.__aenter__())
+                self._entered = True
+            self._await(publisher.publish(destination, body, key, headers))
+        else:
+            if not self._entered:
+                publisher.__enter__()
+                self._entered = True
+            publisher.publish(destination, body, key, headers)
+
+    def close(self) -> None:
+        """Leave the publisher's context, if entered, and close the event loop, if any."""
+        entered, self._entered = self._entered, False
+        publisher = self.publisher
+        try:
+            if not entered:
+                pass
+            elif isinstance(publisher, AsyncPublisher):
+                self._await(publisher.__aexit__(None, None, None))
+            else:
+                publisher.__exit__(None, None, None)
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+
+    def _await(self, awaitable: Awaitable[T]) -> T:
+        self.check_thread()
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(_coroutine(awaitable))
+
+
+async def _coroutine(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class _BlockingOnly(Publisher):
+    def __init__(self, publish: Callable[..., Any]) -> None:
+        self._publish = publish
+
+    def publish(
+        self,
+        destination: str,
+        body: bytes,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self._publish(destination, body, key, headers)
+
+
+class _AsyncOnly(AsyncPublisher):
+    def __init__(self, publish: Callable[..., Coroutine[Any, Any, Any]]) -> None:
+        self._publish = publish
+
+    async def publish(
+        self,
+        destination: str,
+        body: bytes,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        await self._publish(destination, body, key, headers)
+
+
+def _adopted(publisher: object) -> Publisher | AsyncPublisher:
+    """An object with only ``publish``, as the first Publisher protocol asked: deprecated.
+
+    Its kind is read from ``publish`` once, here: the protocols say it otherwise.
+    """
+    publish = getattr(publisher, "publish", None)
+    if not callable(publish):
+        raise ConfigurationError(f"{publisher!r} is no Publisher: it has no publish method")
+    warnings.warn(
+        f"{type(publisher).__name__} has publish() but is no context manager: subclass "
+        "consumerdedup.Publisher (or AsyncPublisher) to get one; this will be refused",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    if inspect.iscoroutinefunction(publish):
+        return _AsyncOnly(publish)
+    return _BlockingOnly(publish)
