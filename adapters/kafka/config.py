@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -9,6 +10,9 @@ from typing import Any
 
 from consumerdedup import ConfigurationError, Message
 from consumerdedup.headers import DEAD_LETTER_SUFFIX, ID_HEADER
+from consumerdedup.retry import Backoff
+
+from .connection import PUBLISHER_OWNED, RUNNER_OWNED, reject_owned
 
 DEFAULT_BOOTSTRAP = "localhost:9092"
 MAX_TOPIC_LENGTH = 249
@@ -17,10 +21,6 @@ MAX_TOPIC_LENGTH = 249
 KeyFunction = Callable[[Message], str | None]
 """Finds the dedup id of a record without an id header: called with the Message (``id``
 None, ``raw`` the aiokafka ConsumerRecord); None means it has none."""
-
-# Set by the runner itself: the guarantees depend on them.
-RUNNER_OWNED = {"bootstrap_servers", "group_id", "enable_auto_commit"}
-PUBLISHER_OWNED = {"bootstrap_servers", "acks", "enable_idempotence"}
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,10 @@ class KafkaConfig:
     """Records per ``getmany`` at most; each partition's share is one database transaction."""
     poll_timeout: timedelta = timedelta(milliseconds=500)
     """Longest wait in ``getmany``: bounds how late ``stop()`` is noticed when idle."""
-    retry_backoff: timedelta = timedelta(seconds=1)
-    """After a RETRY: the partition is paused this long, then re-read from that record."""
+    retry_delay: timedelta = timedelta(seconds=1)
+    """After a RETRY the partition is paused this long, then re-read from that record;
+    doubled per RETRY of the same record in a row, up to ``max_retry_delay``."""
+    max_retry_delay: timedelta = timedelta(seconds=30)
     id_header: str = ID_HEADER
     """Header carrying the dedup id (UTF-8)."""
     key: KeyFunction | None = None
@@ -50,14 +52,30 @@ class KafkaConfig:
     ``auto_offset_reset`` defaults to ``"earliest"``: a new group misses nothing."""
     producer_options: Mapping[str, Any] = field(default_factory=dict)
     """Passed to the dead-letter ``AIOKafkaProducer``."""
+    retry_backoff: timedelta | None = field(default=None, repr=False)
+    """Deprecated: ``retry_delay`` (the name RabbitConfig has too)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigurationError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
         if self.poll_timeout <= timedelta(0):
             raise ConfigurationError("poll_timeout must be positive")
-        if self.retry_backoff < timedelta(0):
-            raise ConfigurationError("retry_backoff must not be negative")
+        if self.retry_backoff is not None:
+            warnings.warn(
+                "KafkaConfig(retry_backoff=...) is deprecated: use retry_delay",
+                DeprecationWarning,
+                3,
+            )
+            object.__setattr__(self, "retry_delay", self.retry_backoff)
+            object.__setattr__(
+                self, "max_retry_delay", max(self.max_retry_delay, self.retry_backoff)
+            )
+            # Folded in: a later replace(retry_delay=...) must not be overridden by it again.
+            object.__setattr__(self, "retry_backoff", None)
+        if self.retry_delay < timedelta(0):
+            raise ConfigurationError("retry_delay must not be negative")
+        if self.max_retry_delay < self.retry_delay:
+            raise ConfigurationError("need retry_delay <= max_retry_delay")
         if not isinstance(self.id_header, str) or not self.id_header:
             raise ConfigurationError("id_header must be a non-empty str")
         if self.key is not None and not callable(self.key):
@@ -74,6 +92,11 @@ class KafkaConfig:
         reject_owned("consumer_options", self.consumer_options, RUNNER_OWNED)
         reject_owned("producer_options", self.producer_options, PUBLISHER_OWNED)
 
+    @property
+    def redelivery_backoff(self) -> Backoff:
+        """Before a RETRY record is read again, by its RETRYs in a row."""
+        return Backoff(self.retry_delay, self.max_retry_delay, jitter=False)
+
     def dead_letters_of(self, topic: str) -> str:
         return self.dead_letter_topic.format(topic=topic)
 
@@ -88,12 +111,3 @@ class KafkaConfig:
                     f"long, Kafka's limit is {MAX_TOPIC_LENGTH}: set "
                     "KafkaConfig(dead_letter_topic=...)"
                 )
-
-
-def reject_owned(name: str, options: Mapping[str, Any], owned: set[str]) -> None:
-    clash = sorted(owned.intersection(options))
-    if clash:
-        raise ConfigurationError(
-            f"{name} must not set {', '.join(clash)}: the runner or publisher sets it "
-            "(bootstrap_servers and group_id are arguments; auto-commit stays off, acks=all)"
-        )

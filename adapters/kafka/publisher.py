@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
 from aiokafka.errors import (  # type: ignore[import-untyped]
     KafkaError,
     KafkaTimeoutError,
@@ -17,7 +16,9 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 from consumerdedup.errors import describe
 from consumerdedup.outbox.publisher import AsyncPublisher
 
-from .config import DEFAULT_BOOTSTRAP, PUBLISHER_OWNED, reject_owned
+from . import connection
+from .config import DEFAULT_BOOTSTRAP
+from .connection import producer_settings
 from .errors import BrokerUnavailable, PublishFailed, TopicMissing
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, bytes]]
@@ -48,14 +49,7 @@ class KafkaPublisher(AsyncPublisher):
         enable_idempotence: bool = True,
         options: Mapping[str, Any] | None = None,
     ) -> None:
-        options = dict(options or {})
-        reject_owned("options", options, PUBLISHER_OWNED)
-        self._settings = {
-            **options,
-            "bootstrap_servers": bootstrap_servers,
-            "acks": "all",
-            "enable_idempotence": enable_idempotence,
-        }
+        self._settings = producer_settings(bootstrap_servers, enable_idempotence, options or {})
         self._producer: Any = None
         self._starting = asyncio.Lock()
         self._missing: set[str] = set()
@@ -64,7 +58,7 @@ class KafkaPublisher(AsyncPublisher):
         async with self._starting:
             if self._producer is not None:
                 return
-            producer = AIOKafkaProducer(**self._settings)
+            producer = connection.producer(self._settings)
             try:
                 await producer.start()
             except BaseException as exc:

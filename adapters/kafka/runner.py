@@ -7,31 +7,22 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from aiokafka import (  # type: ignore[import-untyped]
-    AIOKafkaConsumer,
-    ConsumerRebalanceListener,
-    TopicPartition,
-)
+from aiokafka import ConsumerRebalanceListener, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
-from consumerdedup import (
-    AsyncDedupHandler,
-    ConfigurationError,
-    DedupHandler,
-    InvalidMessage,
-    Message,
-    Outcome,
-    Result,
-)
+from consumerdedup import ConfigurationError, Outcome, Result
+from consumerdedup.dedup.driving import AsyncDriver, Handler
 from consumerdedup.errors import describe
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
+from . import connection
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig
 from .convert import coordinates, dead_letter_headers, to_message
 from .errors import PublishFailed
 from .publisher import KafkaPublisher
 
 logger = logging.getLogger("consumerdedup.kafka")
+_RETRY_MEMORY = 10_000
 
 
 class KafkaConsumerRunner(ConsumerRunner):
@@ -43,7 +34,8 @@ class KafkaConsumerRunner(ConsumerRunner):
     - After that commit: FAILED records are sent to the dead-letter topic and
       acknowledged by the broker; then the partition's offset is committed up
       to the first RETRY record (or the first dead letter that could not be
-      sent), never past it; the partition pauses for ``retry_backoff`` and is
+      sent), never past it; the partition pauses for ``retry_delay`` (doubled per RETRY of
+      the same record in a row, up to ``max_retry_delay``) and is
       re-read from that record. Nothing behind a RETRY record commits before
       it: the records behind it are RETRY too, and come again after it.
     - A rebalance waits for the batch in flight to finish and commit; records
@@ -56,7 +48,7 @@ class KafkaConsumerRunner(ConsumerRunner):
 
     def __init__(
         self,
-        handler: AsyncDedupHandler | DedupHandler,
+        handler: Handler,
         topics: str | Sequence[str],
         *,
         bootstrap_servers: str | Sequence[str] = DEFAULT_BOOTSTRAP,
@@ -65,8 +57,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         before_ack: BeforeAck | None = None,
     ) -> None:
         super().__init__(before_ack=before_ack)
-        if not isinstance(handler, AsyncDedupHandler | DedupHandler):
-            raise ConfigurationError("handler must be what @dedup.handler returned")
+        self.driver = AsyncDriver(handler)
         self.topics = (topics,) if isinstance(topics, str) else tuple(topics)
         if not self.topics or not all(isinstance(t, str) and t for t in self.topics):
             raise ConfigurationError("topics must be a topic name or a non-empty list of them")
@@ -76,12 +67,13 @@ class KafkaConsumerRunner(ConsumerRunner):
         self.config.check_dead_letters(self.topics)
         self.handler = handler
         self.bootstrap_servers = bootstrap_servers
-        self.group_id = group_id or handler.dedup.consumer
+        self.group_id = group_id or self.driver.consumer
         self.consumer: Any = None
         """The AIOKafkaConsumer while ``run()`` runs."""
         self._epoch = 0  # bumped by each revocation: fetched records from before are stale
         self._lock = asyncio.Lock()  # held by the batch in flight; a revocation waits on it
         self._paused: dict[Any, float] = {}  # partition -> loop time to resume it
+        self._retries: dict[str, int] = {}  # RETRYs in a row per record, for the backoff
 
     async def run(self, *, until_idle: bool = False) -> None:
         """Consume until ``stop()`` (or a signal after ``on_signals()``), then close.
@@ -93,13 +85,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         if self.consumer is not None:
             raise RuntimeError("this runner is already running")
         cfg = self.config
-        options = {"auto_offset_reset": "earliest", **cfg.consumer_options}
-        consumer = AIOKafkaConsumer(
-            **options,
-            bootstrap_servers=self.bootstrap_servers,
-            group_id=self.group_id,
-            enable_auto_commit=False,
-        )
+        consumer = connection.consumer(self.bootstrap_servers, self.group_id, cfg.consumer_options)
         consumer.subscribe(list(self.topics), listener=_Listener(self))
         dead_letters = KafkaPublisher(
             self.bootstrap_servers,
@@ -154,6 +140,8 @@ class KafkaConsumerRunner(ConsumerRunner):
         self.committed(results)  # the before_ack hook: a SimulatedCrash leaves from here
         done = next((i for i, r in enumerate(results) if r.outcome is Outcome.RETRY), len(results))
         done = await self._dead_letter(dead_letters, records[:done], results[:done])
+        for record in records[:done]:
+            self._retries.pop(coordinates(record), None)
         if done and not await self._commit(consumer, tp, records[done - 1].offset + 1):
             self._seek(consumer, tp, records[0].offset)  # read again: answered DUPLICATE
             return False
@@ -163,32 +151,15 @@ class KafkaConsumerRunner(ConsumerRunner):
         return True
 
     async def _process(self, records: Sequence[Any]) -> list[Result]:
-        slots: list[Message | Result] = []
-        for record in records:
-            message, refusal = to_message(record, self.config)
-            slots.append(message if refusal is None else await self._refuse(message, refusal))
-        messages = [slot for slot in slots if isinstance(slot, Message)]
-        if not messages:
-            return [slot for slot in slots if isinstance(slot, Result)]
         # A chunk is one partition's records in offset order: nothing commits behind a retry.
-        if isinstance(self.handler, AsyncDedupHandler):
-            processed = iter(await self.handler.process_batch(messages, ordered=True))
-        else:
-            batch = self.handler.process_batch
-            processed = iter(await asyncio.to_thread(batch, messages, ordered=True))
-        return [slot if isinstance(slot, Result) else next(processed) for slot in slots]
-
-    async def _refuse(self, message: Message, reason: str) -> Result:
-        """FAILED without reaching the pipeline; its hooks are told as they would be."""
-        if isinstance(self.handler, AsyncDedupHandler):
-            return await self.handler.refuse(message, InvalidMessage(reason))
-        return await asyncio.to_thread(self.handler.refuse, message, InvalidMessage(reason))
+        delivered = [to_message(record, self.config) for record in records]
+        return await self.driver.process(delivered, ordered=True)
 
     async def _dead_letter(
         self, dead_letters: KafkaPublisher, records: Sequence[Any], results: Sequence[Result]
     ) -> int:
         """Send the FAILED ones, in order; how many records lead up to the first unsent one."""
-        consumer_name = self.handler.dedup.consumer
+        consumer_name = self.driver.consumer
         for index, (record, result) in enumerate(zip(records, results, strict=True)):
             if result.outcome is not Outcome.FAILED:
                 continue
@@ -224,7 +195,11 @@ class KafkaConsumerRunner(ConsumerRunner):
             consumer.seek(tp, offset)
 
     def _retry_later(self, consumer: Any, tp: Any, record: Any, result: Result) -> None:
-        delay = self.config.retry_backoff.total_seconds()
+        key = coordinates(record)
+        count = self._retries[key] = self._retries.pop(key, 0) + 1
+        while len(self._retries) > _RETRY_MEMORY:
+            del self._retries[next(iter(self._retries))]
+        delay = self.config.redelivery_backoff.delay(count)
         logger.warning(
             "%s will be read again in %.3fs: %s",
             coordinates(record),

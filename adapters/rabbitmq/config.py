@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,8 +26,9 @@ class RabbitConfig:
 
     prefetch: int = 100
     """``basic_qos`` prefetch_count: deliveries the broker hands out ahead of the acks."""
-    batch_size: int = 1
-    """Messages per database transaction, at most ``prefetch``; >1 is batch mode."""
+    batch_size: int = 100
+    """Messages per database transaction at most (and at most ``prefetch``): what has arrived,
+    up to this many, runs as one batch; a lone message does not wait for company."""
     id_header: str = ID_HEADER
     """Header read for the dedup id when the AMQP ``message_id`` property is absent."""
     key: KeyFunction | None = None
@@ -88,7 +90,7 @@ class RabbitConfig:
         """Before a RETRY message is given back, by its RETRYs in a row."""
         return Backoff(self.retry_delay, self.max_retry_delay, jitter=False)
 
-    def dlq(self, queue: str) -> str:
+    def dead_letters_of(self, queue: str) -> str:
         """The dead-letter queue of ``queue``; ConfigurationError if AMQP cannot name it (a
         dead letter would fail to publish, every time)."""
         name = self.dead_letter_queue or queue + DEAD_LETTER_SUFFIX
@@ -98,3 +100,10 @@ class RabbitConfig:
                 f"long, AMQP's limit is {MAX_NAME_BYTES}: set RabbitConfig(dead_letter_queue=...)"
             )
         return name
+
+    def dlq(self, queue: str) -> str:
+        """Deprecated: ``dead_letters_of``, the name KafkaConfig has too."""
+        warnings.warn(
+            "RabbitConfig.dlq() is deprecated: use dead_letters_of()", DeprecationWarning, 2
+        )
+        return self.dead_letters_of(queue)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pika  # type: ignore[import-untyped]
 
-from consumerdedup import InvalidMessage, Message
+from consumerdedup import Message
 from consumerdedup.errors import describe
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 
@@ -64,10 +64,6 @@ def to_message(delivery: Delivery, queue: str, config: RabbitConfig) -> tuple[Me
     if found is None:
         return message, f"{missing}, and the key function found none"
     return replace(message, id=found), None
-
-
-def missing_id_reason(why: str) -> str:
-    return describe(InvalidMessage(why))
 
 
 def dead_letter_properties(

@@ -12,12 +12,13 @@ from typing import Any
 
 import pika.exceptions  # type: ignore[import-untyped]
 
-from consumerdedup import AsyncDedupHandler, ConfigurationError, DedupHandler, Message, Outcome
+from consumerdedup import ConfigurationError, Message, Outcome
+from consumerdedup.dedup.driving import BlockingDriver, Handler
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
 from .connection import close_quietly, connect, parameters
-from .convert import Delivery, dead_letter_properties, missing_id_reason, to_message
+from .convert import Delivery, dead_letter_properties, to_message
 from .errors import TopologyError
 
 log = logging.getLogger("consumerdedup.rabbitmq")
@@ -37,11 +38,15 @@ class RabbitConsumerRunner(ConsumerRunner):
     then acked; RETRY is nacked with requeue after a backoff. A lost connection
     or channel is reopened with backoff; what was unacked comes back and the
     dedup table answers it.
+
+    ``handler`` is what ``@dedup.handler`` returned, of a Deduplicator or an
+    AsyncDeduplicator (run on an event loop of the runner's own). A delivery
+    without a usable id is refused before the pipeline: FAILED, dead-lettered.
     """
 
     def __init__(
         self,
-        handler: DedupHandler,
+        handler: Handler,
         queue: str,
         *,
         url: str = DEFAULT_URL,
@@ -53,16 +58,12 @@ class RabbitConsumerRunner(ConsumerRunner):
             raise ConfigurationError(
                 f"queue must be a non-empty str of {MAX_NAME_BYTES} bytes at most"
             )
-        if isinstance(handler, AsyncDedupHandler):
-            raise ConfigurationError(
-                "RabbitConsumerRunner drives a blocking handler: wrap it with Deduplicator, "
-                "not AsyncDeduplicator"
-            )
         self.handler = handler
+        self.driver = BlockingDriver(handler)
         self.queue = queue
         self.config = config = config or RabbitConfig()
-        self.dead_letter_queue = config.dlq(queue)
-        consumer = handler.dedup.consumer
+        self.dead_letter_queue = config.dead_letters_of(queue)
+        consumer = self.driver.consumer
         self.name = config.connection_name or (
             f"consumerdedup:{consumer}:{queue}:{os.getpid()}:{next(_names)}"
         )
@@ -79,6 +80,12 @@ class RabbitConsumerRunner(ConsumerRunner):
         With ``until_idle``, return once no delivery came for ``idle_timeout``
         and the queue has nothing ready: for tests, scripts and draining.
         """
+        try:
+            self._run(until_idle)
+        finally:
+            self.driver.close()
+
+    def _run(self, until_idle: bool) -> None:
         failures = 0  # lost connections in a row without progress: the backoff grows with them
         while not self.stopping:
             connection = self._connect()
@@ -186,13 +193,12 @@ class RabbitConsumerRunner(ConsumerRunner):
 
     def _handle(self, connection: Any, channel: Any, batch: Sequence[Delivery]) -> None:
         converted = [to_message(delivery, self.queue, self.config) for delivery in batch]
-        results = self.handler.process_batch([message for message, _ in converted])
+        results = self.driver.process(converted)
         self.committed(results)  # the before_ack hook: a SimulatedCrash leaves all unacked
         retry: list[tuple[Delivery, Message]] = []
-        for delivery, (message, missing), result in zip(batch, converted, results, strict=True):
+        for delivery, (message, _), result in zip(batch, converted, results, strict=True):
             if result.outcome is Outcome.FAILED:
-                reason = missing_id_reason(missing) if missing else result.reason or "failed"
-                if not self._dead_letter(connection, delivery, reason):
+                if not self._dead_letter(connection, delivery, result.reason or "failed"):
                     retry.append((delivery, message))
             elif result.outcome is Outcome.RETRY:
                 retry.append((delivery, message))
@@ -218,8 +224,7 @@ class RabbitConsumerRunner(ConsumerRunner):
         channel only, so the consuming channel keeps its deliveries and can still ack the
         batch-mates and give this one back.
         """
-        consumer = self.handler.dedup.consumer
-        properties = dead_letter_properties(delivery, reason, consumer, self.queue)
+        properties = dead_letter_properties(delivery, reason, self.driver.consumer, self.queue)
         exchange = self.config.dead_letter_exchange
         try:
             if self._dead_letters is None or not self._dead_letters.is_open:

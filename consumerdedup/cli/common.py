@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import Engine, Table, create_engine, inspect
 from sqlalchemy.engine import URL, make_url
@@ -35,6 +37,22 @@ class UsageError(CommandError):
     """Bad input on the command line: exit 2."""
 
     code = 2
+
+
+class Renamed(argparse.Action):
+    """An option whose last name is its old spelling: still accepted, with a warning."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        new, old = self.option_strings[0], self.option_strings[-1]
+        if option_string == old != new:
+            sys.stderr.write(f"{PROG}: warning: {old} is deprecated, use {new}\n")
+        setattr(namespace, self.dest, values)
 
 
 def parse_url(raw: str | None, secrets: Secrets) -> URL:

@@ -15,7 +15,7 @@ from .. import durations
 from ..errors import ConfigurationError, describe
 from ..outbox.publisher import AsyncPublisher, Publisher
 from ..outbox.relay import OutboxRelay, RelayConfig
-from .common import UsageError, open_database, require_tables
+from .common import Renamed, UsageError, open_database, require_tables
 from .redact import shown
 
 NAME = "relay"
@@ -39,8 +39,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True
     )
     target.add_argument("--kafka", metavar="BOOTSTRAP", help="host:port[,host:port...]")
-    target.add_argument("--amqp", metavar="URL", help="amqp://user:password@host:5672/%%2F")
-    parser.add_argument("--batch", type=_positive, default=100, help="rows per round (100)")
+    target.add_argument(
+        "--rabbitmq",
+        "--amqp",
+        action=Renamed,
+        metavar="URL",
+        help="amqp://user:password@host:5672/%%2F (--amqp: the old spelling)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        "--batch",
+        action=Renamed,
+        type=_positive,
+        default=100,
+        metavar="N",
+        help="rows per round (100; --batch: the old spelling)",
+    )
     parser.add_argument("--once", action="store_true", help="publish what can go now, then exit")
     parser.add_argument("--poll", metavar="DURATION", default="1s", help="idle wait (1s)")
     parser.add_argument(
@@ -66,8 +80,8 @@ def _publisher(args: argparse.Namespace) -> Publisher | AsyncPublisher:
     if args.kafka:
         publisher = adapter.KafkaPublisher(args.kafka, enable_idempotence=not args.no_idempotence)
     else:
-        args.secrets.add_url(args.amqp)
-        publisher = adapter.RabbitPublisher(args.amqp)
+        args.secrets.add_url(args.rabbitmq)
+        publisher = adapter.RabbitPublisher(args.rabbitmq)
     return publisher
 
 
@@ -75,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     url, engine, tables = open_database(args)
     try:
         config = RelayConfig(
-            batch_size=args.batch,
+            batch_size=args.batch_size,
             poll_interval=durations.parse(args.poll, "--poll"),
             max_attempts=args.max_attempts,
             delete_published=args.delete_published,

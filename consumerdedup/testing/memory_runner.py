@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from ..dedup.deduplicator import DedupHandler
+from ..dedup.driving import BlockingDriver, Handler
 from ..lifecycle import BeforeAck, ConsumerRunner
 from ..outcome import Outcome, Result
 from .memory_broker import Delivery, MemoryBroker
@@ -19,6 +19,9 @@ _names = itertools.count(1)
 class MemoryConsumerRunner(ConsumerRunner):
     """Fetch up to ``batch_size`` messages, run them in one transaction, then settle each.
 
+    ``handler`` is what ``@dedup.handler`` returned, of a Deduplicator or an
+    AsyncDeduplicator (run on an event loop of the runner's own).
+
     PROCESSED and DUPLICATE are acked; FAILED is dead-lettered to
     ``<source>.dlq`` with its reason, then acked; RETRY is given back to the
     broker after ``retry_delay`` seconds.
@@ -28,7 +31,7 @@ class MemoryConsumerRunner(ConsumerRunner):
         self,
         broker: MemoryBroker,
         source: str,
-        handler: DedupHandler,
+        handler: Handler,
         *,
         batch_size: int = 1,
         retry_delay: float = 0.05,
@@ -42,6 +45,7 @@ class MemoryConsumerRunner(ConsumerRunner):
         self.broker = broker
         self.source = source
         self.handler = handler
+        self.driver = BlockingDriver(handler)
         self.batch_size = batch_size
         self.retry_delay = retry_delay
         self.poll_interval = poll_interval
@@ -58,6 +62,7 @@ class MemoryConsumerRunner(ConsumerRunner):
             self._consume(until_idle)
         finally:
             self.broker.disconnect(self.name)
+            self.driver.close()
 
     def _consume(self, until_idle: bool) -> None:
         while not self.stopping:
@@ -69,7 +74,7 @@ class MemoryConsumerRunner(ConsumerRunner):
                 if until_idle:
                     return
                 continue
-            results = self.handler.process_batch([d.to_message() for d in deliveries])
+            results = self.driver.process([(d.to_message(), None) for d in deliveries])
             self._settle(deliveries, results)
 
     def _settle(self, deliveries: Sequence[Delivery], results: Sequence[Result]) -> None:
@@ -80,8 +85,8 @@ class MemoryConsumerRunner(ConsumerRunner):
                 retries.append(delivery)
                 continue
             if result.outcome is Outcome.FAILED:
-                consumer = self.handler.dedup.consumer
-                self.broker.dead_letter(delivery, result.reason or "failed", consumer)
+                reason = result.reason or "failed"
+                self.broker.dead_letter(delivery, reason, self.driver.consumer)
             self.broker.ack(delivery)
         if retries:
             self.pause(self.retry_delay)

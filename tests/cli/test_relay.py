@@ -41,7 +41,7 @@ def test_relay_once_publishes_the_backlog_and_exits(db: Any, rabbit: Broker, amq
     queue = rabbit.queue("cli")
     ids = add(db, queue, 25)
     done = subprocess.run(
-        relay_command(db, "--amqp", amqp_url, "--once", "--batch", "10"),
+        relay_command(db, "--rabbitmq", amqp_url, "--once", "--batch-size", "10"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -55,7 +55,7 @@ def test_relay_once_publishes_the_backlog_and_exits(db: Any, rabbit: Broker, amq
 def test_relay_runs_until_sigterm_and_exits_zero(pg: Any, rabbit: Broker, amqp_url: str) -> None:
     queue = rabbit.queue("cli")
     process = subprocess.Popen(
-        relay_command(pg, "--amqp", amqp_url, "--poll", "5s"),
+        relay_command(pg, "--rabbitmq", amqp_url, "--poll", "5s"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -76,8 +76,30 @@ def test_relay_runs_until_sigterm_and_exits_zero(pg: Any, rabbit: Broker, amqp_u
 
 
 def test_relay_bad_input_is_one_line_and_exit_2(sqlite_db: Any) -> None:
-    for args in (["--batch", "0", "--amqp", "amqp://x"], [], ["--kafka", "a:1", "--poll", "soon"]):
+    for args in (
+        ["--batch-size", "0", "--rabbitmq", "amqp://x"],
+        [],
+        ["--kafka", "a:1", "--poll", "soon"],
+    ):
         done = subprocess.run(relay_command(sqlite_db, *args), capture_output=True, text=True)
         assert done.returncode == 2, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_the_old_spellings_amqp_and_batch_still_work_with_a_warning(
+    db: Any, rabbit: Broker, amqp_url: str
+) -> None:
+    queue = rabbit.queue("cli")
+    ids = add(db, queue, 3)
+    done = subprocess.run(
+        relay_command(db, "--amqp", amqp_url, "--once", "--batch", "2"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--amqp is deprecated, use --rabbitmq" in done.stderr
+    assert "--batch is deprecated, use --batch-size" in done.stderr
+    assert "guest:guest" not in done.stdout + done.stderr
+    assert [p.message_id for p, _ in rabbit.peek(queue)] == ids

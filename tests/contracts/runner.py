@@ -10,37 +10,110 @@ The sentences are in consumerdedup/lifecycle.py.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
-from consumerdedup import Message, PermanentError, RetryLater, SimulatedCrash
+from consumerdedup import (
+    AsyncDedupHandler,
+    AsyncDeduplicator,
+    DedupHandler,
+    Deduplicator,
+    Message,
+    PermanentError,
+    Result,
+    RetryLater,
+    RetryPolicy,
+    SimulatedCrash,
+)
 from tests.support.flavors import Behavior
 
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What really differs between brokers; the suite checks the weaker promise where one
+    cannot keep the stronger."""
+
     ordered: bool = True
     """Messages of one partition (or queue, with one consumer) are handled in publish order."""
     batches: bool = True
     """The runner can handle several messages per transaction."""
+    retry_keeps_order: bool = False
+    """A message to retry holds back the ones behind it, which come again after it (Kafka
+    re-reads the partition from it). Elsewhere they may overtake it (RabbitMQ requeues it
+    behind what was prefetched; the memory broker's batch-mates are acked)."""
+
+
+QUICK_RETRY = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
+
+
+def ledger_handler(
+    db: Any,
+    behavior: Behavior,
+    told: list[Result],
+    *,
+    asyncio: bool,
+    async_engine: AsyncEngine | None = None,
+) -> DedupHandler | AsyncDedupHandler:
+    """The scenarios' handler, of a Deduplicator or of an AsyncDeduplicator (on
+    ``async_engine``, else on an engine without a pool, which no event loop owns)."""
+    if not asyncio:
+        dedup = Deduplicator(
+            db.engine,
+            consumer="ledger",
+            tables=db.tables,
+            retry=QUICK_RETRY,
+            dead_letter=told.append,
+        )
+
+        @dedup.handler
+        def handle(message: Message, session: Any) -> None:
+            for sql, params in behavior(message):
+                session.execute(text(sql), params)
+
+        return handle
+    engine = async_engine or create_async_engine(db.async_url, poolclass=NullPool)
+    async_dedup = AsyncDeduplicator(
+        engine, consumer="ledger", tables=db.tables, retry=QUICK_RETRY, dead_letter=told.append
+    )
+
+    @async_dedup.handler
+    async def handle_async(message: Message, session: Any) -> None:
+        for sql, params in behavior(message):
+            await session.execute(text(sql), params)
+
+    return handle_async
 
 
 class Harness(Protocol):
     capabilities: Capabilities
     db: Any
+    told: list[Result]
+    """What the deduplicator's dead-letter hook was told, in order."""
 
     def publish(self, message_id: str | None, body: bytes) -> None:
         """Publish one message with ``message_id`` carried the broker's usual way."""
 
     def consume(
-        self, behavior: Behavior, *, batch_size: int = 1, crash_after_commit: bool = False
+        self,
+        behavior: Behavior,
+        *,
+        batch_size: int = 1,
+        crash_after_commit: bool = False,
+        asyncio: bool | None = None,
     ) -> None:
-        """Run a fresh runner until the source is drained; a crash raises SimulatedCrash."""
+        """Run a fresh runner until the source is drained; a crash raises SimulatedCrash.
+        ``asyncio``: an AsyncDeduplicator's handler (True) or a Deduplicator's (False);
+        None: the kind the broker's example uses."""
 
     def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
         """Run a fresh runner in the background; returns a function that stops it and waits."""
@@ -154,6 +227,18 @@ class RunnerContract:
         assert sorted(ledger.calls) == ids  # the committed ones came back as DUPLICATE
         assert harness.held() == 0
 
+    def test_either_kind_of_handler_is_driven(self, harness: Harness, ledger: Ledger) -> None:
+        # Every runner takes what Deduplicator.handler and AsyncDeduplicator.handler return.
+        harness.publish("m-1", body(1))
+        harness.publish("m-2", body(2))
+        harness.consume(ledger.behavior, asyncio=True)
+        harness.publish("m-3", body(3))
+        harness.publish("m-1", body(1))
+        harness.consume(ledger.behavior, asyncio=False)
+        assert sorted(ledger.applied()) == ["m-1", "m-2", "m-3"]
+        assert ledger.calls == ["m-1", "m-2", "m-3"]  # the twin of m-1 was a DUPLICATE
+        assert harness.held() == 0
+
     def test_a_message_to_retry_is_not_acked_and_comes_back(
         self, harness: Harness, ledger: Ledger
     ) -> None:
@@ -161,7 +246,10 @@ class RunnerContract:
         harness.publish("m-1", body(5, retry_times=3))
         harness.publish("m-2", body(7))
         harness.consume(ledger.behavior)
-        assert sorted(ledger.applied()) == ["m-1", "m-2"]
+        if harness.capabilities.retry_keeps_order:
+            assert ledger.applied() == ["m-1", "m-2"]
+        else:
+            assert sorted(ledger.applied()) == ["m-1", "m-2"]
         assert ledger.calls.count("m-1") == 4
         assert harness.held() == 0
         assert harness.dead_letters() == []
@@ -179,16 +267,21 @@ class RunnerContract:
         assert harness.held() == 0
 
     def test_a_malformed_message_is_dead_lettered_not_guessed(
-        self, harness: Harness, ledger: Ledger
+        self, harness: Harness, ledger: Ledger, caplog: pytest.LogCaptureFixture
     ) -> None:
         harness.publish(None, body(1))
         harness.publish("m-2", b"\x00 not json")
         harness.publish("m-3", body(3))
-        harness.consume(ledger.behavior)
+        with caplog.at_level(logging.ERROR, logger="consumerdedup"):
+            harness.consume(ledger.behavior)
         assert ledger.applied() == ["m-3"]
         reasons = [reason for _, reason in harness.dead_letters()]
         assert len(reasons) == 2
         assert "InvalidMessage" in reasons[0] and "DecodeError" in reasons[1]
+        # One route whatever the broker: the same reason in the hook, the log and the dead letter.
+        assert [result.reason for result in harness.told] == reasons
+        logged = [record.getMessage() for record in caplog.records]
+        assert all(any(f"reason={reason}" in line for line in logged) for reason in reasons)
         assert harness.held() == 0
 
     def test_stop_finishes_the_batch_in_flight_and_loses_nothing(

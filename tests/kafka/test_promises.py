@@ -44,7 +44,7 @@ from tests.support.kafka_service import (  # noqa: F401
     topics_fixture,
 )
 
-FAST = {"poll_timeout": timedelta(milliseconds=100), "retry_backoff": timedelta(0)}
+FAST = {"poll_timeout": timedelta(milliseconds=100), "retry_delay": timedelta(0)}
 
 
 @pytest.mark.postgres

@@ -50,7 +50,7 @@ from tests.support.kafka_service import (  # noqa: F401
 )
 
 QUICK_RETRY = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
-FAST = {"poll_timeout": timedelta(milliseconds=100), "retry_backoff": timedelta(0)}
+FAST = {"poll_timeout": timedelta(milliseconds=100), "retry_delay": timedelta(0)}
 CLOSE = 0.2
 """Seconds for the consumer to leave its group and close once the loop has ended."""
 
@@ -248,7 +248,8 @@ async def test_a_retry_holds_the_offset_at_that_record_and_nothing_behind_it_is_
             raise RetryLater("not yet")
 
     ledger.before = before
-    run = runner(kafka, ledger.handle, topic, retry_backoff=timedelta(milliseconds=200))
+    pause = timedelta(milliseconds=200)
+    run = runner(kafka, ledger.handle, topic, retry_delay=pause, max_retry_delay=pause)
     task = asyncio.create_task(run.run(until_idle=True))
     # Nothing behind m-3 commits before it: the offset and the effects stop at m-3.
     await wait_for(lambda: _true(refusals >= 6), "m-3 to be read again a few times")
@@ -480,7 +481,8 @@ def test_config_is_validated_at_construction() -> None:
     for bad in [
         {"batch_size": 0},
         {"poll_timeout": timedelta(0)},
-        {"retry_backoff": timedelta(seconds=-1)},
+        {"retry_delay": timedelta(seconds=-1)},
+        {"retry_delay": timedelta(seconds=2), "max_retry_delay": timedelta(seconds=1)},
         {"id_header": ""},
         {"key": "not callable"},
         {"dead_letter_topic": "{topic}"},

@@ -92,7 +92,7 @@ def make_runner(
     **config: Any,
 ) -> KafkaConsumerRunner:
     if isinstance(kafka_or_config, KafkaService):
-        options = {"poll_timeout": timedelta(milliseconds=100), "retry_backoff": timedelta(0)}
+        options = {"poll_timeout": timedelta(milliseconds=100), "retry_delay": timedelta(0)}
         kafka_or_config = kafka_or_config.config(**{**options, **config})
     return KafkaConsumerRunner(
         handle,
@@ -323,7 +323,8 @@ async def test_database_connections_killed_mid_stream_are_retried_and_lose_nothi
         topic,
         group,
         batch_size=20,
-        retry_backoff=timedelta(milliseconds=100),
+        retry_delay=timedelta(milliseconds=100),
+        max_retry_delay=timedelta(milliseconds=100),
     )
     task = asyncio.create_task(run.run())
     kills: list[int] = []

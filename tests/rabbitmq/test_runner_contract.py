@@ -8,16 +8,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
-from consumerdedup import Deduplicator, Message, Result, RetryPolicy, SimulatedCrash
+from consumerdedup import Result, SimulatedCrash
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
 from consumerdedup.headers import REASON_HEADER
-from tests.contracts.runner import Capabilities, RunnerContract
+from tests.contracts.runner import Capabilities, RunnerContract, ledger_handler
 from tests.support.flavors import Behavior
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
-
-QUICK_RETRY = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
 
 
 def crash(results: Sequence[Result]) -> None:
@@ -25,29 +22,27 @@ def crash(results: Sequence[Result]) -> None:
 
 
 class RabbitHarness:
-    # One consumer on one queue sees publish order; RETRY requeues are outside this promise.
-    capabilities = Capabilities(ordered=True, batches=True)
+    # One consumer on one queue sees publish order; a RETRY requeued behind what was
+    # prefetched is overtaken.
+    capabilities = Capabilities(ordered=True, batches=True, retry_keeps_order=False)
 
     def __init__(self, db: Any, broker: Broker) -> None:
         self.db = db
         self.broker = broker
+        self.told: list[Result] = []
         self.queue = broker.queue("contract")
 
     def publish(self, message_id: str | None, body: bytes) -> None:
         self.broker.publish(self.queue, body, message_id=message_id)
 
     def _runner(
-        self, behavior: Behavior, batch_size: int, crash_after_commit: bool = False
+        self,
+        behavior: Behavior,
+        batch_size: int,
+        crash_after_commit: bool = False,
+        asyncio: bool | None = None,
     ) -> RabbitConsumerRunner:
-        dedup = Deduplicator(
-            self.db.engine, consumer="ledger", tables=self.db.tables, retry=QUICK_RETRY
-        )
-
-        @dedup.handler
-        def handle(message: Message, session: Any) -> None:
-            for sql, params in behavior(message):
-                session.execute(text(sql), params)
-
+        handle = ledger_handler(self.db, behavior, self.told, asyncio=bool(asyncio))
         config = RabbitConfig(
             prefetch=max(10, batch_size),
             batch_size=batch_size,
@@ -64,9 +59,14 @@ class RabbitHarness:
         )
 
     def consume(
-        self, behavior: Behavior, *, batch_size: int = 1, crash_after_commit: bool = False
+        self,
+        behavior: Behavior,
+        *,
+        batch_size: int = 1,
+        crash_after_commit: bool = False,
+        asyncio: bool | None = None,
     ) -> None:
-        self._runner(behavior, batch_size, crash_after_commit).run(until_idle=True)
+        self._runner(behavior, batch_size, crash_after_commit, asyncio).run(until_idle=True)
 
     def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
         runner = self._runner(behavior, batch_size)

@@ -275,7 +275,8 @@ def final_consumer(cfg: Chaos, index: int) -> None:
     config = KafkaConfig(
         batch_size=20,
         poll_timeout=timedelta(milliseconds=100),
-        retry_backoff=timedelta(milliseconds=200),
+        retry_delay=timedelta(milliseconds=200),
+        max_retry_delay=timedelta(milliseconds=200),
         idempotent_producer=cfg.idempotence,
         consumer_options=cfg.group_options,
     )

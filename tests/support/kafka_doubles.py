@@ -45,7 +45,7 @@ def no_auto_create(
 ) -> type[NoAutoCreate]:
     """Make KafkaPublisher use NoAutoCreate, raising ``error`` for a missing topic."""
     double = type("NoAutoCreate", (NoAutoCreate,), {"error": error, "refused": []})
-    monkeypatch.setattr("consumerdedup.adapters.kafka.publisher.AIOKafkaProducer", double)
+    monkeypatch.setattr("consumerdedup.adapters.kafka.connection.AIOKafkaProducer", double)
     return double
 
 
@@ -91,5 +91,5 @@ def grants_idempotence(
     double = type(
         "GrantsIdempotence", (GrantsIdempotence,), {"built": [], "sent": [], "script": script}
     )
-    monkeypatch.setattr("consumerdedup.adapters.kafka.publisher.AIOKafkaProducer", double)
+    monkeypatch.setattr("consumerdedup.adapters.kafka.connection.AIOKafkaProducer", double)
     return double

@@ -1,0 +1,126 @@
+"""How every runner hands deliveries to a handler, whatever the handler's kind.
+
+A runner turns each delivery into a Message and a refusal (None when the
+delivery is usable). A refused delivery, or a message whose id cannot be a
+dedup key, never reaches the pipeline: it is FAILED through the handler's
+``refuse``, so the log, the counters and the dead-letter hook hear of it with
+the reason the runner dead-letters it with. The rest go to ``process_batch``
+as one batch. A blocking runner drives an asyncio handler on an event loop of
+its own (BlockingDriver); an asyncio runner drives a blocking handler in a
+worker thread (AsyncDriver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
+
+from ..errors import ConfigurationError, InvalidMessage
+from ..message import Message, validate_id
+from ..outcome import Result
+from .async_deduplicator import AsyncDedupHandler
+from .deduplicator import DedupHandler
+
+Handler = DedupHandler | AsyncDedupHandler
+Delivered = tuple[Message, str | None]
+"""A delivery's Message, and why it must be refused (None: it need not)."""
+
+T = TypeVar("T")
+
+
+def checked(handler: object) -> Handler:
+    """``handler`` if it is what ``@dedup.handler`` returns, of either deduplicator."""
+    if not isinstance(handler, DedupHandler | AsyncDedupHandler):
+        raise ConfigurationError("handler must be what @dedup.handler returned")
+    return handler
+
+
+def refusal(message: Message, why: str | None) -> InvalidMessage | None:
+    """Why ``message`` cannot go through the pipeline: the runner's reason, or its id's."""
+    if why is not None:
+        return InvalidMessage(why)
+    try:
+        validate_id(message.id)
+    except InvalidMessage as exc:
+        return exc
+    return None
+
+
+def merged(refused: Sequence[Result | None], processed: Iterator[Result]) -> list[Result]:
+    """The refusals' Results where they stand, the batch's Results in the other slots."""
+    return [result if result is not None else next(processed) for result in refused]
+
+
+class BlockingDriver:
+    """Drives a handler of either kind from blocking code."""
+
+    def __init__(self, handler: object) -> None:
+        self.handler = checked(handler)
+        self.consumer = self.handler.dedup.consumer
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def process(self, delivered: Sequence[Delivered], *, ordered: bool = False) -> list[Result]:
+        """One Result per delivery, in order: the refused ones FAILED, the rest one batch."""
+        handler = self.handler
+        refused: list[Result | None] = []
+        messages: list[Message] = []
+        for message, why in delivered:
+            error = refusal(message, why)
+            if error is None:
+                messages.append(message)
+                refused.append(None)
+            elif isinstance(handler, AsyncDedupHandler):
+                refused.append(self._run(handler.refuse(message, error)))
+            else:
+                refused.append(handler.refuse(message, error))
+        if not messages:
+            processed: list[Result] = []
+        elif isinstance(handler, AsyncDedupHandler):
+            processed = self._run(handler.process_batch(messages, ordered=ordered))
+        else:
+            processed = handler.process_batch(messages, ordered=ordered)
+        return merged(refused, iter(processed))
+
+    def close(self) -> None:
+        """Close the event loop an asyncio handler ran on, if any."""
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coroutine)
+
+
+class AsyncDriver:
+    """Drives a handler of either kind from asyncio code."""
+
+    def __init__(self, handler: object) -> None:
+        self.handler = checked(handler)
+        self.consumer = self.handler.dedup.consumer
+
+    async def process(
+        self, delivered: Sequence[Delivered], *, ordered: bool = False
+    ) -> list[Result]:
+        """One Result per delivery, in order: the refused ones FAILED, the rest one batch."""
+        handler = self.handler
+        refused: list[Result | None] = []
+        messages: list[Message] = []
+        for message, why in delivered:
+            error = refusal(message, why)
+            if error is None:
+                messages.append(message)
+                refused.append(None)
+            elif isinstance(handler, AsyncDedupHandler):
+                refused.append(await handler.refuse(message, error))
+            else:
+                refused.append(await asyncio.to_thread(handler.refuse, message, error))
+        if not messages:
+            processed: list[Result] = []
+        elif isinstance(handler, AsyncDedupHandler):
+            processed = await handler.process_batch(messages, ordered=ordered)
+        else:
+            processed = await asyncio.to_thread(handler.process_batch, messages, ordered=ordered)
+        return merged(refused, iter(processed))
