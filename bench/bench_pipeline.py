@@ -9,19 +9,21 @@ Scenarios, each on its own fresh message ids so every message is really processe
 - baseline: the business insert alone, a Session and a transaction per message;
 - the pipeline one message at a time (check, handler, dedup record, commit), sync and async;
 - ``.batch`` with 100 and 500 messages per call (one transaction per call), sync and async;
-- for scale, plain psycopg doing the business insert plus a dedup-like row per transaction.
+- like with like: plain psycopg (no SQLAlchemy) sending the same SQL to the same tables,
+  per message and 500 per transaction, and 500 per transaction with ``executemany``.
 
-The scenarios run round-robin in ``--rounds`` slices, so slow drift of the machine or the
-server (a checkpoint, autovacuum) falls on all of them alike; a rate is the scenario's total
-messages over its total time, and ``spread`` is the slowest and fastest slice.
+The scenarios run round-robin in ``--rounds`` slices (default 5, at least 3), so slow drift
+of the machine or the server (a checkpoint, autovacuum) falls on all of them alike; a rate is
+the median of the slices' rates, ``spread`` the slowest and fastest slice, and a ratio is the
+ratio of two medians (``bench/measure.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
-import platform
 import sys
 import time
 import uuid
@@ -30,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-import sqlalchemy
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
@@ -44,7 +45,20 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome, Tables, install
 
+sys.path.insert(0, os.path.dirname(__file__))
+from measure import (
+    MIN_ROUNDS,
+    Conditions,
+    Series,
+    add_round_arguments,
+    check_rounds,
+    same_rounds,
+)
+
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+PLAIN_PER_MESSAGE = "plain psycopg, same SQL"
+PLAIN_BATCH = "plain psycopg, same SQL, 500"
+PLAIN_MANY = "plain psycopg, 500, executemany"
 PER_MESSAGE_TARGET = 0.8  # per-message pipeline rate / baseline rate, at least
 BATCH_TARGET = 10.0  # batch-of-500 rate / per-message pipeline rate, at least
 
@@ -52,115 +66,18 @@ BATCH_TARGET = 10.0  # batch-of-500 rate / per-message pipeline rate, at least
 # --------------------------------------------------------------------------- conditions
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def memory_total() -> str:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    kib = int(line.split()[1])
-                    return f"{kib / 1024 / 1024:.1f} GiB"
-    except OSError:
-        pass
-    return "unknown"
-
-
-def load_average() -> str:
-    try:
-        one, five, fifteen = os.getloadavg()
-    except OSError:
-        return "unknown"
-    return f"{one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min)"
-
-
-def _cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies over all CPUs since boot, from /proc/stat."""
-    try:
-        with open("/proc/stat", encoding="utf-8") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def cpu_busy(seconds: float = 1.0) -> float | None:
-    """The fraction of all CPUs busy over ``seconds``, while this process sleeps."""
-    before = _cpu_times()
-    time.sleep(seconds)
-    after = _cpu_times()
-    if before is None or after is None or after[1] == before[1]:
-        return None
-    return (after[0] - before[0]) / (after[1] - before[1])
-
-
-def busy_warning(busy: float | None) -> str | None:
-    """A warning when other work competes for the CPUs: the figures would be understated."""
-    if busy is None or busy < 0.15:
-        return None
-    return (
-        f"WARNING: the CPUs were {busy:.0%} busy with other work just before the run; "
-        "figures are noisy and understated."
+def print_conditions(args: argparse.Namespace, url: str, engine: Engine) -> Conditions:
+    conditions = Conditions()
+    conditions.postgres(engine)
+    conditions.add("  server", make_url(url).render_as_string(hide_password=True))
+    conditions.add(
+        "messages",
+        f"{args.messages} per per-message scenario, {args.batch_messages} per batch "
+        f"scenario, split in {args.rounds} round(s) run round-robin, warm-up {args.warmup}",
     )
-
-
-def server_settings(engine: Engine) -> dict[str, str]:
-    names = ["server_version", "synchronous_commit", "fsync", "wal_sync_method", "shared_buffers"]
-    with engine.connect() as conn:
-        return {name: str(conn.exec_driver_sql(f"SHOW {name}").scalar()) for name in names}
-
-
-def busy_text(busy: float | None) -> str:
-    return "?" if busy is None else f"{busy:.0%}"
-
-
-def print_conditions(
-    args: argparse.Namespace, url: str, engine: Engine, busy: float | None
-) -> None:
-    pg = server_settings(engine)
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    rows = [
-        ("CPU", f"{os.cpu_count()} x {cpu_model()} ({usable} usable)"),
-        ("memory", memory_total()),
-        ("load", f"{load_average()}; CPUs {busy_text(busy)} busy just before the run"),
-        ("OS", platform.platform()),
-        ("PostgreSQL", pg["server_version"]),
-        (
-            "  settings",
-            f"synchronous_commit={pg['synchronous_commit']} fsync={pg['fsync']} "
-            f"wal_sync_method={pg['wal_sync_method']} shared_buffers={pg['shared_buffers']}",
-        ),
-        ("  server", make_url(url).render_as_string(hide_password=True)),
-        ("Python", f"{platform.python_version()} ({platform.python_implementation()})"),
-        ("SQLAlchemy", sqlalchemy.__version__),
-        ("psycopg", f"{psycopg.__version__} (impl {psycopg.pq.__impl__}, libpq {libpq()})"),
-        (
-            "messages",
-            f"{args.messages} per per-message scenario, {args.batch_messages} per batch "
-            f"scenario, {args.rounds} round(s), warm-up {args.warmup}",
-        ),
-        ("body", f"{args.body_size} bytes"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("Conditions")
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
-    print()
-
-
-def libpq() -> str:
-    version = psycopg.pq.version()
-    return f"{version // 10000}.{version % 100}"
+    conditions.add("body", f"{args.body_size} bytes (JSON), the same in every scenario")
+    conditions.print()
+    return conditions
 
 
 # --------------------------------------------------------------------------- workload
@@ -205,12 +122,12 @@ class Scenario:
     run: Callable[[Sequence[Message]], Any]  # returns outcomes, or None (no dedup)
     reference: bool = False  # shown for scale, not part of the targets
     messages: list[Message] = field(default_factory=list)
-    seconds: float = 0.0
-    slice_rates: list[float] = field(default_factory=list)
+    rates: Series = field(default_factory=lambda: Series(""))
 
     @property
     def rate(self) -> float:
-        return len(self.messages) / self.seconds if self.seconds else 0.0
+        """The median of the rounds' rates."""
+        return self.rates.median
 
 
 class Bench:
@@ -220,7 +137,6 @@ class Bench:
         self.schema = f"bench_{uuid.uuid4().hex[:10]}"
         self.tag = uuid.uuid4().hex[:8]
         self.payments = f"{self.schema}.payments"
-        self.raw_events = f"{self.schema}.raw_events"
         self.engine: Engine = create_engine(url)
         self.raw_conn: psycopg.Connection[Any] | None = None
         self.async_engine: AsyncEngine = create_async_engine(url)
@@ -241,15 +157,6 @@ class Bench:
         with self.engine.begin() as conn:
             conn.execute(
                 text(f"CREATE TABLE {self.payments} (account text, amount int, message_id text)")
-            )
-            # Same shape and key as processed_events, for the plain-psycopg reference.
-            conn.execute(
-                text(
-                    f"CREATE TABLE {self.raw_events} (consumer varchar(255), "
-                    "message_id varchar(255), processed_at timestamptz NOT NULL, "
-                    "payload_hash varchar(64) NOT NULL, outcome varchar(16) NOT NULL, "
-                    "error text, PRIMARY KEY (consumer, message_id))"
-                )
             )
 
     def teardown(self) -> None:
@@ -329,24 +236,57 @@ class Bench:
 
             return run
 
-        # Reference: plain psycopg, no SQLAlchemy; business row + dedup-like row per transaction.
+        # Like with like: plain psycopg (no SQLAlchemy) sending the SQL the pipeline sends,
+        # into the same processed_events (another consumer name): claim with ON CONFLICT DO
+        # NOTHING RETURNING, the business insert if the claim came back, COMMIT. The batch
+        # version claims the whole batch in one statement, then runs the business inserts
+        # one by one (as a per-message handler does) or with executemany (what a careful
+        # hand-written consumer would do, and a per-message handler cannot).
         conninfo = make_url(self.url).set(drivername="postgresql").render_as_string(False)
         raw_conn = self.raw_conn = psycopg.connect(conninfo)
+        processed = self.tables.processed_events.fullname
         raw_business = (
             f"INSERT INTO {self.payments} (account, amount, message_id) VALUES (%s, %s, %s)"
         )
-        raw_record = (
-            f"INSERT INTO {self.raw_events} (consumer, message_id, processed_at, payload_hash, "
-            "outcome, error) VALUES ('raw', %s, now(), %s, 'processed', NULL)"
+        raw_claim = (
+            f"INSERT INTO {processed} (consumer, message_id, processed_at, payload_hash, "
+            "outcome, error) VALUES ('raw', %s, now(), %s, 'processed', NULL) "
+            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
         )
-        fake_hash = "0" * 64
+        raw_claim_many = (
+            f"INSERT INTO {processed} (consumer, message_id, processed_at, payload_hash, "
+            "outcome, error) SELECT 'raw', m, now(), h, 'processed', NULL "
+            "FROM unnest(%s::varchar[], %s::varchar[]) AS t(m, h) "
+            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+        )
+
+        def business_row(message: Message) -> tuple[Any, ...]:
+            p = business_params(message)
+            return (p["account"], p["amount"], p["message_id"])
 
         def raw(messages: Sequence[Message]) -> None:
             for message in messages:
                 with raw_conn.transaction(), raw_conn.cursor() as cur:
-                    p = business_params(message)
-                    cur.execute(raw_business, (p["account"], p["amount"], p["message_id"]))
-                    cur.execute(raw_record, (message.id, fake_hash))
+                    cur.execute(raw_claim, (message.id, hashlib.sha256(message.body).hexdigest()))
+                    if cur.fetchone() is not None:
+                        cur.execute(raw_business, business_row(message))
+
+        def raw_batched(size: int, many: bool) -> Callable[[Sequence[Message]], None]:
+            def run(messages: Sequence[Message]) -> None:
+                for part in chunks(messages, size):
+                    with raw_conn.transaction(), raw_conn.cursor() as cur:
+                        ids = [m.id for m in part]
+                        hashes = [hashlib.sha256(m.body).hexdigest() for m in part]
+                        cur.execute(raw_claim_many, (ids, hashes))
+                        claimed = {row[0] for row in cur.fetchall()}
+                        rows = [business_row(m) for m in part if m.id in claimed]
+                        if many:
+                            cur.executemany(raw_business, rows)
+                        else:  # one statement per message, as a per-message handler sends
+                            for row in rows:
+                                cur.execute(raw_business, row)
+
+            return run
 
         def in_loop(
             fn: Callable[[Sequence[Message]], Awaitable[Any]],
@@ -370,7 +310,9 @@ class Bench:
             (Scenario("ref: baseline, no dedup", "async", 1, in_loop(abaseline), True), per),
             (Scenario("ref: partitioned, per message", "sync", 1, one_by_one_by_day, True), per),
             (Scenario("ref: partitioned, .batch(100)", "sync", 100, batched_by_day, True), batch),
-            (Scenario("ref: plain psycopg, 2 inserts", "sync", 1, raw, True), per),
+            (Scenario(PLAIN_PER_MESSAGE, "sync", 1, raw, True), per),
+            (Scenario(PLAIN_BATCH, "sync", 500, raw_batched(500, False), True), batch),
+            (Scenario(PLAIN_MANY, "sync", 500, raw_batched(500, True), True), batch),
         ]
         out = []
         for n, (scenario, count) in enumerate(scenarios):
@@ -424,8 +366,7 @@ class Bench:
                     outcomes = scenario.run(part)
                     elapsed = time.perf_counter() - started
                     self.check(scenario, outcomes, part)
-                    scenario.seconds += elapsed
-                    scenario.slice_rates.append(len(part) / elapsed)
+                    scenario.rates.add(len(part) / elapsed)
                     if self.args.verbose:
                         print(
                             f"  round {r + 1}: {scenario.name} [{scenario.kind}] "
@@ -450,20 +391,25 @@ def report(scenarios: list[Scenario]) -> bool:
         "sync": base,
         "async": next(s for s in scenarios if s.reference and s.kind == "async"),
     }
-    header = (
-        f"{'scenario':<31} {'driver':<6} {'msgs':>7} {'seconds':>8} {'msg/s':>9} "
-        f"{'ms/msg':>7} {'vs (a)':>7} {'vs own':>7}  {'spread msg/s':>15}"
+    same_rounds(s.rates for s in scenarios)
+    rounds = len(base.rates.values)
+    what = f"median of {rounds} rounds" if rounds >= MIN_ROUNDS else "SMOKE RUN, not a measurement"
+    print(
+        f"Results ({what}; spread = slowest-fastest round; vs (a): median / median of the sync "
+        "baseline; vs own: / the baseline of the same driver)"
     )
-    print("Results (vs (a): rate / sync baseline; vs own: rate / baseline of the same driver)")
+    header = (
+        f"{'scenario':<31} {'driver':<6} {'msgs':>7} {'msg/s':>9} {'ms/msg':>7} "
+        f"{'vs (a)':>7} {'vs own':>7}  {'spread msg/s':>15}"
+    )
     print(header)
     print("-" * len(header))
     for s in scenarios:
-        own = own_base[s.kind] if s.name != "ref: plain psycopg, 2 inserts" else base
-        spread = f"{min(s.slice_rates):,.0f}-{max(s.slice_rates):,.0f}"
+        own = own_base[s.kind]
         print(
-            f"{s.name:<31} {s.kind:<6} {len(s.messages):>7} {s.seconds:>8.2f} {s.rate:>9,.0f} "
+            f"{s.name:<31} {s.kind:<6} {len(s.messages):>7} {s.rate:>9,.0f} "
             f"{1000 / s.rate:>7.3f} {s.rate / base.rate:>6.2f}x {s.rate / own.rate:>6.2f}x  "
-            f"{spread:>15}"
+            f"{s.rates.spread:>15}"
         )
     print()
 
@@ -499,6 +445,20 @@ def report(scenarios: list[Scenario]) -> bool:
                 ratio >= BATCH_TARGET,
             )
         )
+    print("Like with like (ratio of medians: the pipeline / plain psycopg sending the same SQL)")
+    batch500 = find("(c) pipeline .batch(500)", "sync")
+    pairs = [
+        ("per message, one transaction each", find("(b)", "sync"), PLAIN_PER_MESSAGE),
+        ("500 a transaction, same statements", batch500, PLAIN_BATCH),
+        ("500 a transaction, vs executemany", batch500, PLAIN_MANY),
+    ]
+    for label, ours, plain in pairs:
+        theirs = find(plain, "sync")
+        print(
+            f"  {label:<34} {ours.rate:>7,.0f} / {theirs.rate:>7,.0f} msg/s = "
+            f"{ours.rate / theirs.rate:.2f}x"
+        )
+    print()
     print("Targets")
     width = max(len(c[0]) for c in checks)
     for label, ratio, ok in checks:
@@ -510,8 +470,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, help="per per-message scenario (default 3000)")
     parser.add_argument("--batch-messages", type=int, help="per .batch scenario (default 30000)")
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (300 / 3000)")
-    parser.add_argument("--rounds", type=int, help="round-robin slices (default 5, quick 1)")
+    add_round_arguments(parser, rounds=5)
     parser.add_argument("--warmup", type=int, help="warm-up messages per scenario (default 200)")
     parser.add_argument("--body-size", type=int, default=256, help="message body bytes")
     parser.add_argument("--url", default=None, help="overrides CONSUMERDEDUP_BENCH_PG_URL")
@@ -520,13 +479,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--strict", action="store_true", help="exit 1 when a target is missed (default: 0)"
     )
     args = parser.parse_args(argv)
+    check_rounds(parser, args)
     quick = args.quick
     if args.messages is None:
         args.messages = 300 if quick else 3000
     if args.batch_messages is None:
         args.batch_messages = 3000 if quick else 30000
-    if args.rounds is None:
-        args.rounds = 1 if quick else 5
     if args.warmup is None:
         args.warmup = 50 if quick else 200
     if args.messages < args.rounds or args.batch_messages < args.rounds or args.rounds < 1:
@@ -538,25 +496,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     url = args.url or os.environ.get("CONSUMERDEDUP_BENCH_PG_URL", DEFAULT_URL)
     bench = Bench(args, url)
-    busy = cpu_busy()
     try:
-        print_conditions(args, url, bench.engine, busy)
+        conditions = print_conditions(args, url, bench.engine)
     except OperationalError as exc:
         shown = make_url(url).render_as_string(hide_password=True)
         print(f"cannot reach PostgreSQL at {shown}: {exc.orig}", file=sys.stderr)
         return 2
-    warning = busy_warning(busy)
-    if warning:
-        print(warning, end="\n\n")
     try:
         bench.setup()
         scenarios = bench.run()
     finally:
         bench.teardown()
     ok = report(scenarios)
-    print(f"\nLoad average after the run: {load_average()}")
-    if warning:
-        print(warning)
+    print()
+    conditions.print_after()
     return 1 if args.strict and not ok else 0
 
 
