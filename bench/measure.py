@@ -121,6 +121,19 @@ def print_table(
     print()
 
 
+def print_pairs(title: str, pairs: Sequence[tuple[str, Series, Series]]) -> None:
+    """``ours / theirs`` per line: each ratio of medians from the same run, same rounds."""
+    same_rounds(s for _, ours, theirs in pairs for s in (ours, theirs))
+    print(title)
+    width = max(len(label) for label, _, _ in pairs)
+    for label, ours, theirs in pairs:
+        print(
+            f"  {label:<{width}}  {fmt(ours.median):>9} / {fmt(theirs.median):>9} "
+            f"{ours.unit:<8} = {ours.ratio(theirs):.2f}x"
+        )
+    print()
+
+
 def timed(started: float) -> float:
     return time.perf_counter() - started
 
