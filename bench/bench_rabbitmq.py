@@ -7,21 +7,28 @@ schema are fresh and deleted at the end.
 
 Scenarios, each draining the same number of fresh messages, published beforehand (untimed):
 
-- plain pika, no database: ``basic_consume`` with a manual ack per message, and with one
-  ``multiple`` ack per 100 messages: the ceiling the broker and client allow;
-- the runner, one message per transaction (``batch_size=1``);
-- the runner in batch mode (``batch_size=100``: one transaction and one ack per batch).
+- the runner, one message per transaction (``batch_size=1``), and in batch mode
+  (``batch_size=100``: one transaction and one ``multiple`` ack per batch);
+- like with like: plain pika and plain psycopg doing the same work by hand, into the same
+  processed_events (another consumer name): per delivery (or per 100) one transaction that
+  claims with ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` and makes the business insert,
+  then the ack (one ``multiple`` ack per 100);
+- the ceiling: plain pika with no database, an ack per message and one per 100;
+- for scale, the same handler's ``process_batch`` on in-memory messages, no broker.
 
-Every message is really processed (fresh ids; the business rows are counted). The scenarios
-run round-robin in ``--rounds`` slices so drift of the machine falls on all alike; a rate is
-a scenario's messages over its total time, ``spread`` the slowest and fastest slice.
+Every scenario's clock starts before it opens its connection and stops when its last ack
+is sent and its connection closed. Every message is really processed (fresh ids; the
+business rows are counted) and every queue is empty afterwards. The scenarios run
+round-robin ``--rounds`` times (at least 3); a figure is the median of the rounds' rates
+with the slowest and fastest round, a ratio the ratio of two medians (``bench/measure.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
-import platform
 import sys
 import time
 import uuid
@@ -31,7 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pika
-import sqlalchemy
+import psycopg
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
@@ -40,13 +47,17 @@ from consumerdedup import DedupHandler, Deduplicator, Message, Outcome, Result, 
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_pipeline import busy_text, cpu_busy, cpu_model, load_average
+from measure import Conditions, Series, add_round_arguments, check_rounds, print_pairs, print_table
 
 AMQP_URL = os.environ.get("CONSUMERDEDUP_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 PG_URL = os.environ.get(
     "CONSUMERDEDUP_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 PREFETCH = 200
+RUNNER_1 = "runner, batch_size=1"
+BY_HAND_1 = "plain pika + psycopg, 1 a transaction"
+RUNNER_100 = "runner, batch_size=100"
+BY_HAND_100 = "plain pika + psycopg, 100 a transaction"
 
 
 @dataclass
@@ -54,13 +65,11 @@ class Scenario:
     name: str
     drain: Callable[[str, int], None]  # (queue, count): consume exactly count messages
     broker: bool = True  # False: the pipeline alone, on messages made in memory
-    seconds: float = 0.0
-    messages: int = 0
-    slice_rates: list[float] = field(default_factory=list)
+    database: bool = True  # False: nothing is written (business rows are not expected)
+    rates: Series = field(default_factory=lambda: Series(""))
 
-    @property
-    def rate(self) -> float:
-        return self.messages / self.seconds if self.seconds else 0.0
+    def __post_init__(self) -> None:
+        self.rates.name = self.name
 
 
 class Bench:
@@ -69,6 +78,7 @@ class Bench:
         self.tag = uuid.uuid4().hex[:8]
         self.schema = f"bench_rmq_{self.tag}"
         self.engine = create_engine(PG_URL)
+        self.conninfo = make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
         self.tables = Tables.define(f"{self.schema}.processed_events", f"{self.schema}.outbox")
         self.ledger = f"{self.schema}.payments"
         self.connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
@@ -163,6 +173,54 @@ class Bench:
 
         return drain
 
+    def by_hand(self, batch_size: int) -> Callable[[str, int], None]:
+        """Plain pika and plain psycopg doing what the runner does, written out by hand."""
+        claim = (
+            f"INSERT INTO {self.tables.processed_events.fullname} (consumer, message_id, "
+            "processed_at, payload_hash, outcome, error) SELECT %s, m, now(), h, 'processed', "
+            "NULL FROM unnest(%s::varchar[], %s::varchar[]) AS t(m, h) "
+            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+        )
+        insert = f"INSERT INTO {self.ledger} (amount, message_id) VALUES (%s, %s)"
+        consumer = f"by-hand-{batch_size}"
+
+        def drain(queue: str, count: int) -> None:
+            database = psycopg.connect(self.conninfo)
+            connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+            channel = connection.channel()
+            channel.basic_qos(prefetch_count=PREFETCH)
+            pending: list[tuple[Any, Any, bytes]] = []
+            seen = 0
+
+            def commit_then_ack(ch: Any) -> None:
+                ids = [properties.message_id for _, properties, _ in pending]
+                hashes = [hashlib.sha256(body).hexdigest() for _, _, body in pending]
+                with database.transaction(), database.cursor() as cur:
+                    cur.execute(claim, (consumer, ids, hashes))
+                    claimed = {row[0] for row in cur.fetchall()}
+                    for _, properties, body in pending:
+                        if properties.message_id in claimed:
+                            amount = json.loads(body)["amount"]
+                            cur.execute(insert, (amount, properties.message_id))
+                ch.basic_ack(pending[-1][0].delivery_tag, multiple=len(pending) > 1)
+                pending.clear()
+
+            def on_message(ch: Any, method: Any, properties: Any, body: bytes) -> None:
+                nonlocal seen
+                seen += 1
+                pending.append((method, properties, body))
+                if len(pending) == batch_size or seen == count:
+                    commit_then_ack(ch)
+                if seen == count:
+                    ch.stop_consuming()
+
+            channel.basic_consume(queue, on_message)
+            channel.start_consuming()
+            connection.close()
+            database.close()
+
+        return drain
+
     def runner(self, batch_size: int) -> Callable[[str, int], None]:
         apply = self.handler(f"bench-{batch_size}")
         config = RabbitConfig(prefetch=PREFETCH, batch_size=batch_size)
@@ -188,30 +246,29 @@ class Bench:
 
     def run(self) -> list[Scenario]:
         scenarios = [
-            Scenario("plain pika, ack each, no database", self.plain(1)),
-            Scenario("plain pika, ack per 100, no database", self.plain(100)),
-            Scenario("runner, batch_size=1 (PostgreSQL)", self.runner(1)),
-            Scenario("runner, batch_size=100 (PostgreSQL)", self.runner(100)),
-            Scenario("ref: pipeline alone, 1 per transaction", self.pipeline(1), broker=False),
-            Scenario("ref: pipeline alone, 100 per transaction", self.pipeline(100), broker=False),
+            Scenario(RUNNER_1, self.runner(1)),
+            Scenario(BY_HAND_1, self.by_hand(1)),
+            Scenario(RUNNER_100, self.runner(100)),
+            Scenario(BY_HAND_100, self.by_hand(100)),
+            Scenario("plain pika, ack each, no database", self.plain(1), database=False),
+            Scenario("plain pika, ack per 100, no database", self.plain(100), database=False),
+            Scenario("pipeline alone, 1 a transaction", self.pipeline(1), broker=False),
+            Scenario("pipeline alone, 100 a transaction", self.pipeline(100), broker=False),
         ]
-        per_round = max(1, self.args.messages // self.args.rounds)
-        for scenario in scenarios:  # warm-up: connections, statement caches
-            queue = self.queue() if scenario.broker else ""
-            if scenario.broker:
-                self.fill(queue, self.args.warmup)
-            scenario.drain(queue, self.args.warmup)
-        for _ in range(self.args.rounds):
+        count = self.args.messages
+        for round_ in range(-1, self.args.rounds):  # round -1: warm-up, not counted
             for scenario in scenarios:
+                n = self.args.warmup if round_ < 0 else count
                 queue = self.queue() if scenario.broker else ""
                 if scenario.broker:
-                    self.fill(queue, per_round)
+                    self.fill(queue, n)
                 started = time.perf_counter()
-                scenario.drain(queue, per_round)
+                scenario.drain(queue, n)
                 elapsed = time.perf_counter() - started
-                scenario.seconds += elapsed
-                scenario.messages += per_round
-                scenario.slice_rates.append(per_round / elapsed)
+                if round_ >= 0:
+                    scenario.rates.add(n / elapsed)
+                    if self.args.verbose:
+                        print(f"  round {round_ + 1}: {scenario.name}: {n / elapsed:,.0f} msg/s")
                 left = (
                     queue and self.channel.queue_declare(queue, passive=True).method.message_count
                 )
@@ -219,47 +276,31 @@ class Bench:
                     raise SystemExit(f"{scenario.name}: {left} messages left in {queue}")
         with self.engine.connect() as conn:
             rows = conn.execute(text(f"SELECT count(*) FROM {self.ledger}")).scalar()
-        expected = 4 * (self.args.warmup + per_round * self.args.rounds)
+        writers = sum(s.database for s in scenarios)
+        expected = writers * (self.args.warmup + count * self.args.rounds)
         if rows != expected:
             raise SystemExit(f"{rows} business rows, expected {expected}")
         return scenarios
 
 
-def print_conditions(args: argparse.Namespace, bench: Bench, busy: float | None) -> None:
+def print_conditions(args: argparse.Namespace, bench: Bench) -> Conditions:
+    conditions = Conditions()
     server = bench.connection._impl.server_properties  # what the broker announced
-    with bench.engine.connect() as conn:
-        pg_version = conn.exec_driver_sql("SHOW server_version").scalar()
-        sync_commit = conn.exec_driver_sql("SHOW synchronous_commit").scalar()
-    rows = [
-        ("CPU", f"{os.cpu_count()} x {cpu_model()}"),
-        ("load", f"{load_average()}; CPUs {busy_text(busy)} busy just before the run"),
-        ("OS", platform.platform()),
-        (
-            "RabbitMQ",
-            f"{server.get('version', '?')} at {without_password(AMQP_URL)}",
-        ),
-        (
-            "PostgreSQL",
-            f"{pg_version} (synchronous_commit={sync_commit}) at "
-            f"{make_url(PG_URL).render_as_string(hide_password=True)}",
-        ),
-        (
-            "Python",
-            f"{platform.python_version()}; pika {pika.__version__}; "
-            f"SQLAlchemy {sqlalchemy.__version__}",
-        ),
-        (
-            "messages",
-            f"{args.messages} per scenario in {args.rounds} round(s), "
-            f"warm-up {args.warmup}; persistent, durable queues; prefetch {PREFETCH}",
-        ),
-        ("body", f"{args.body_size} bytes (JSON)"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("Conditions")
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
-    print()
+    conditions.add(
+        "RabbitMQ",
+        f"{server.get('version', '?')} on this machine at {without_password(AMQP_URL)}: durable "
+        f"classic queues, persistent messages (written to disk), prefetch {PREFETCH}",
+    )
+    conditions.postgres(bench.engine)
+    conditions.add("  drivers", f"pika {pika.__version__}")
+    conditions.add(
+        "messages",
+        f"{args.messages} per scenario per round, {args.rounds} round(s) run round-robin, "
+        f"after a warm-up round of {args.warmup}",
+    )
+    conditions.add("body", f"{args.body_size} bytes (JSON), the same in every scenario")
+    conditions.print()
+    return conditions
 
 
 def without_password(url: str) -> str:
@@ -270,33 +311,37 @@ def without_password(url: str) -> str:
 
 
 def print_results(scenarios: list[Scenario]) -> None:
-    base = scenarios[0].rate
-    width = max(len(s.name) for s in scenarios)
-    print(f"  {'scenario':<{width}}  {'msg/s':>8}  {'vs plain':>8}  spread (msg/s)")
-    for s in scenarios:
-        spread = f"{min(s.slice_rates):,.0f} .. {max(s.slice_rates):,.0f}"
-        print(f"  {s.name:<{width}}  {s.rate:>8,.0f}  {s.rate / base:>8.2f}  {spread}")
+    by_name = {s.name: s.rates for s in scenarios}
+    print_table("RabbitMQ consumers", [s.rates for s in scenarios], by_name[BY_HAND_1], "vs hand")
+    print_pairs(
+        "Like with like (the runner / plain pika + plain psycopg doing the same work)",
+        [
+            ("one message a transaction", by_name[RUNNER_1], by_name[BY_HAND_1]),
+            ("100 messages a transaction", by_name[RUNNER_100], by_name[BY_HAND_100]),
+        ],
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=6000, help="per scenario")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--messages", type=int, default=3000, help="per scenario per round")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--body-size", type=int, default=256)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 600 messages, 1 round")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every round")
+    add_round_arguments(parser)
     args = parser.parse_args()
+    check_rounds(parser, args)
     if args.quick:
-        args.messages, args.rounds, args.warmup = 600, 1, 50
-    busy = cpu_busy()
+        args.messages, args.warmup = 300, 50
     bench = Bench(args)
+    conditions = print_conditions(args, bench)
     bench.setup()
     try:
-        print_conditions(args, bench, busy)
         scenarios = bench.run()
     finally:
         bench.teardown()
     print_results(scenarios)
+    conditions.print_after()
 
 
 if __name__ == "__main__":
