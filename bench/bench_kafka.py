@@ -9,20 +9,26 @@ fresh and dropped at the end.
 Scenarios, each draining its own fresh topic (``--partitions`` partitions, filled beforehand,
 untimed) as a fresh consumer group:
 
-- plain aiokafka, no database: ``getmany`` alone, and ``getmany`` plus an offset commit per
-  partition per fetch (the Kafka side of what the runner does);
 - the runner with an AsyncDeduplicator handler inserting one row per record: every record
   consumed, checked against processed_events, applied and recorded in one transaction per
   partition batch, then its offset committed; ``batch_size`` 100 and 500; and the same with a
   blocking Deduplicator (psycopg, run in a worker thread), ``batch_size`` 500;
-- for reference, the async handler's ``process_batch`` on 500 in-memory Messages at a time,
-  no broker: what the runner costs on top of the pipeline.
+- like with like: plain aiokafka and plain async psycopg doing the same work by hand:
+  ``getmany(max_records=500)``, per partition one transaction that claims the batch with
+  ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the same processed_events (another
+  consumer name) and inserts the business rows, then the offset commit;
+- the ceiling: plain aiokafka ``getmany`` with no database, with and without offset commits;
+- for scale, the async handler's ``process_batch`` on 500 in-memory Messages at a time (the
+  same bodies), no broker: what the runner costs on top of the pipeline.
 
 Timing starts when the group has assigned the partitions (a join takes a second or more on
-Tansu) and ends when the last batch is through: for the plain loops its commit; for the
-runner its database commit, just before its offset commit. Scenarios run round-robin
-``--rounds`` times; a rate is a scenario's records over its total time, ``spread`` the
-slowest and fastest round.
+Tansu) and ends when the last batch is through: for the plain loops without a database at
+its last fetch or offset commit; for the runner and its hand-written twin at the database
+commit of the last batch, just before its offset commit. Scenarios run round-robin
+``--rounds`` times (at least 3); a figure is the median of the rounds' rates with the slowest
+and fastest round, a ratio the ratio of two medians (``bench/measure.py``). The broker is
+Tansu on memory storage unless ``CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP`` names another: its
+acknowledgements cost no disk write, unlike a Kafka broker's.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
+import json
 import os
-import platform
 import sys
 import time
 import uuid
@@ -40,7 +47,7 @@ from datetime import timedelta
 from typing import Any
 
 import aiokafka
-import sqlalchemy
+import psycopg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy import create_engine, text
@@ -52,6 +59,7 @@ from consumerdedup.adapters.kafka import KafkaConfig, KafkaConsumerRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_relay import start_tansu
+from measure import Conditions, Series, add_round_arguments, check_rounds, print_pairs, print_table
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 Scenario = Callable[[str, int], Awaitable[float]]
@@ -63,6 +71,7 @@ class Bench:
         self.bootstrap = bootstrap
         self.engine: AsyncEngine = create_async_engine(url, pool_size=5)
         self.blocking_engine = create_engine(url, pool_size=5)
+        self.conninfo = make_url(url).set(drivername="postgresql").render_as_string(False)
         self.schema = f"bench_kafka_{uuid.uuid4().hex[:8]}"
         self.tables = Tables.define(f"{self.schema}.processed_events", f"{self.schema}.outbox")
         self.group_options = {"session_timeout_ms": 1000, "heartbeat_interval_ms": 250}
@@ -76,6 +85,17 @@ class Bench:
                 text(f"CREATE TABLE {self.schema}.ledger (message_id TEXT, amount INTEGER)")
             )
 
+    async def check_rows(self, expected: int) -> None:
+        """Every record was really processed: one business row each, none twice."""
+        async with self.engine.connect() as conn:
+            rows, distinct = (
+                await conn.execute(
+                    text(f"SELECT count(*), count(DISTINCT message_id) FROM {self.schema}.ledger")
+                )
+            ).one()
+        if (rows, distinct) != (expected, expected):
+            raise SystemExit(f"{rows} business rows ({distinct} distinct), expected {expected}")
+
     async def teardown(self) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(text(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
@@ -87,6 +107,11 @@ class Bench:
             pass
         finally:
             await admin.close()
+
+    def value(self, record_id: str, i: int) -> bytes:
+        """A JSON value of ``--body-size`` bytes: the same bodies in every scenario."""
+        head = f'{{"id":"{record_id}","amount":{i % 1000},"pad":"'.encode()
+        return head + b"x" * max(0, self.args.body_size - len(head) - 2) + b'"}'
 
     async def fill(self, count: int) -> str:
         """A fresh topic holding ``count`` records with fresh ids, round-robin over partitions."""
@@ -103,8 +128,7 @@ class Bench:
         try:
             futures = []
             for i in range(count):
-                head = f'{{"id":"{topic}-{i}","amount":{i % 1000},"pad":"'.encode()
-                value = head + b"x" * max(0, self.args.body_size - len(head) - 2) + b'"}'
+                value = self.value(f"{topic}-{i}", i)
                 headers = [("event_id", f"{topic}-{i}".encode())]
                 partition = i % self.args.partitions
                 futures.append(
@@ -141,6 +165,49 @@ class Bench:
         finally:
             await consumer.stop()
 
+    async def by_hand(self, topic: str, count: int) -> float:
+        """Plain aiokafka and plain async psycopg doing what the runner does, by hand."""
+        claim = (
+            f"INSERT INTO {self.tables.processed_events.fullname} (consumer, message_id, "
+            "processed_at, payload_hash, outcome, error) SELECT 'by-hand', m, now(), h, "
+            "'processed', NULL FROM unnest(%s::varchar[], %s::varchar[]) AS t(m, h) "
+            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+        )
+        insert = f"INSERT INTO {self.schema}.ledger VALUES (%s, %s)"
+        database = await psycopg.AsyncConnection.connect(self.conninfo)
+        consumer = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=self.bootstrap,
+            group_id="by-hand-" + topic,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            **self.group_options,
+        )
+        await consumer.start()
+        try:
+            while not consumer.assignment():
+                await consumer.getmany(timeout_ms=50)
+            start, seen, finished = time.perf_counter(), 0, 0.0
+            while seen < count:
+                fetched = await consumer.getmany(timeout_ms=100, max_records=500)
+                for tp, records in fetched.items():
+                    ids = [dict(r.headers)["event_id"].decode() for r in records]
+                    hashes = [hashlib.sha256(r.value).hexdigest() for r in records]
+                    async with database.transaction(), database.cursor() as cur:
+                        await cur.execute(claim, (ids, hashes))
+                        claimed = {row[0] for row in await cur.fetchall()}
+                        for record_id, record in zip(ids, records, strict=True):
+                            if record_id in claimed:
+                                amount = json.loads(record.value)["amount"]
+                                await cur.execute(insert, (record_id, amount))
+                    finished = time.perf_counter()
+                    seen += len(records)
+                    await consumer.commit({tp: records[-1].offset + 1})
+            return finished - start
+        finally:
+            await consumer.stop()
+            await database.close()
+
     def handler(self, blocking: bool) -> Any:
         insert = text(f"INSERT INTO {self.schema}.ledger VALUES (:m, :n)")
         if blocking:
@@ -163,7 +230,7 @@ class Bench:
         """The same handler's ``process_batch`` on in-memory Messages: no broker at all."""
         apply = self.handler(blocking=False)
         messages = [
-            Message(id=f"{topic}-{i}", body=b'{"amount": %d}' % i, source=topic)
+            Message(id=f"{topic}-{i}", body=self.value(f"{topic}-{i}", i), source=topic)
             for i in range(count)
         ]
         start = time.perf_counter()
@@ -207,81 +274,74 @@ class Bench:
         return finished - start
 
 
-def rate(count: int, seconds: float) -> str:
-    return f"{count / seconds:>9,.0f} msg/s" if seconds > 0 else "        - msg/s"
+RUNNER_ASYNC_500 = "runner, async PostgreSQL, batch_size=500"
+RUNNER_BLOCKING_500 = "runner, blocking PostgreSQL, batch_size=500"
+BY_HAND = "plain aiokafka + async psycopg, 500"
 
 
-async def measure(args: argparse.Namespace, bench: Bench) -> list[tuple[str, list[float]]]:
+async def measure(args: argparse.Namespace, bench: Bench) -> list[Series]:
     scenarios: list[tuple[str, Scenario]] = [
-        ("aiokafka getmany, no database, no commit", lambda t, n: bench.plain(t, n, commit=False)),
-        (
-            "aiokafka getmany + offset commit, no database",
-            lambda t, n: bench.plain(t, n, commit=True),
-        ),
         ("runner, async PostgreSQL, batch_size=100", lambda t, n: bench.runner(t, n, 100, False)),
-        ("runner, async PostgreSQL, batch_size=500", lambda t, n: bench.runner(t, n, 500, False)),
-        ("runner, blocking PostgreSQL, batch_size=500", lambda t, n: bench.runner(t, n, 500, True)),
-        ("ref: async .process_batch(500) alone, no Kafka", bench.pipeline_alone),
+        (RUNNER_ASYNC_500, lambda t, n: bench.runner(t, n, 500, False)),
+        (RUNNER_BLOCKING_500, lambda t, n: bench.runner(t, n, 500, True)),
+        (BY_HAND, bench.by_hand),
+        ("plain aiokafka getmany, no database", lambda t, n: bench.plain(t, n, commit=False)),
+        ("plain aiokafka getmany + commit, no db", lambda t, n: bench.plain(t, n, commit=True)),
+        ("async .process_batch(500) alone, no Kafka", bench.pipeline_alone),
     ]
-    times: dict[str, list[float]] = {name: [] for name, _ in scenarios}
+    rates = {name: Series(name) for name, _ in scenarios}
     for round_ in range(args.rounds):
         for name, scenario in scenarios:
             topic = await bench.fill(args.messages)
             seconds = await scenario(topic, args.messages)
-            times[name].append(seconds)
+            rates[name].add(args.messages / seconds)
             if args.verbose:
-                print(f"  round {round_ + 1}: {name}: {rate(args.messages, seconds)}")
-    return [(name, times[name]) for name, _ in scenarios]
-
-
-def conditions(args: argparse.Namespace, url: str, broker: str, server: str) -> None:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    rows = [
-        ("CPU", f"{os.cpu_count()} x {cpu}; load {load} (1, 5, 15 min)"),
-        ("OS", platform.platform()),
-        ("Python", platform.python_version()),
-        ("aiokafka", aiokafka.__version__),
-        ("SQLAlchemy", sqlalchemy.__version__),
-        ("broker", broker),
-        ("PostgreSQL", f"{server} at {make_url(url).render_as_string(hide_password=True)}"),
-        ("records", f"{args.messages} per scenario per round, {args.rounds} round(s)"),
-        ("topic", f"{args.partitions} partitions; value {args.body_size} bytes + event_id header"),
-    ]
-    print("Conditions")
-    for key, value in rows:
-        print(f"  {key:<11} {value}")
-    print()
+                print(f"  round {round_ + 1}: {name}: {args.messages / seconds:,.0f} msg/s")
+    await bench.check_rows(args.rounds * args.messages * 5)  # all but the two plain loops
+    return list(rates.values())
 
 
 async def main_async(args: argparse.Namespace) -> None:
     url = args.url or os.environ.get("CONSUMERDEDUP_BENCH_PG_URL", DEFAULT_PG)
     bootstrap = os.environ.get("CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP")
     stack = contextlib.ExitStack()  # stops the broker this bench starts, if any
+    conditions = Conditions()
     if bootstrap:
         broker = f"{bootstrap} (CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP)"
     else:
         bootstrap, version = start_tansu(stack)
-        broker = f"{version}, in-memory storage, at {bootstrap} (same machine)"
+        broker = (
+            f"{version} on this machine at {bootstrap}, MEMORY storage (it acknowledges "
+            "without writing to disk; a Kafka broker would not)"
+        )
         args.idempotent = False  # Tansu has no InitProducerId
     bench = Bench(args, bootstrap, url)
     try:
-        async with bench.engine.connect() as conn:
-            server = (await conn.exec_driver_sql("SHOW server_version")).scalar()
-        conditions(args, url, broker, str(server))
+        conditions.add("Kafka", broker)
+        conditions.postgres(bench.blocking_engine)
+        conditions.add("  drivers", f"aiokafka {aiokafka.__version__}")
+        conditions.add(
+            "records",
+            f"{args.messages} per scenario per round, {args.rounds} round(s) run round-robin",
+        )
+        conditions.add(
+            "topic",
+            f"{args.partitions} partitions; value {args.body_size} bytes (JSON) + event_id "
+            "header, the same in every scenario",
+        )
+        conditions.print()
         await bench.setup()
         results = await measure(args, bench)
-        print(f"{'scenario':<48} {'rate':>15}   spread (per round)")
-        for name, seconds in results:
-            total = args.messages * len(seconds)
-            spread = f"{rate(args.messages, max(seconds)).strip()} .. "
-            spread += rate(args.messages, min(seconds)).strip()
-            print(f"{name:<48} {rate(total, sum(seconds))}   {spread}")
+        by_name = {s.name: s for s in results}
+        print_table("Kafka consumers", results, by_name[BY_HAND], "vs hand")
+        print_pairs(
+            "Like with like (the runner / plain aiokafka + async psycopg doing the same work)",
+            [
+                ("async handler, 500 a batch", by_name[RUNNER_ASYNC_500], by_name[BY_HAND]),
+                ("blocking handler, 500 a batch", by_name[RUNNER_BLOCKING_500], by_name[BY_HAND]),
+            ],
+        )
+        conditions.print_after()
     finally:
         await bench.teardown()
         await bench.engine.dispose()
@@ -291,17 +351,16 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--messages", type=int, help="records per scenario per round (20000)")
-    parser.add_argument("--rounds", type=int, help="rounds (default 3, quick 1)")
+    parser.add_argument("--messages", type=int, help="records per scenario per round (10000)")
     parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--body-size", type=int, default=200, help="record value bytes")
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run (2000 x 1)")
+    parser.add_argument("--body-size", type=int, default=256, help="record value bytes")
     parser.add_argument("--url", help="PostgreSQL URL; overrides CONSUMERDEDUP_BENCH_PG_URL")
     parser.add_argument("--no-idempotence", dest="idempotent", action="store_false")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every round")
+    add_round_arguments(parser)
     args = parser.parse_args(argv)
-    args.messages = args.messages or (2000 if args.quick else 20000)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    check_rounds(parser, args)
+    args.messages = args.messages or (2000 if args.quick else 10000)
     return args
 
 
