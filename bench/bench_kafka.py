@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import sys
@@ -58,6 +57,7 @@ from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Result, Tabl
 from consumerdedup.adapters.kafka import KafkaConfig, KafkaConsumerRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
+import plain_sql
 from bench_relay import start_tansu
 from measure import Conditions, Series, add_round_arguments, check_rounds, print_pairs, print_table
 
@@ -141,19 +141,24 @@ class Bench:
 
     # ----------------------------------------------------------------------- scenarios
 
-    async def plain(self, topic: str, count: int, *, commit: bool) -> float:
+    async def joined(self, topic: str, group: str) -> AIOKafkaConsumer:
+        """A started consumer of a fresh group, once the partitions are assigned to it."""
         consumer = AIOKafkaConsumer(
             topic,
             bootstrap_servers=self.bootstrap,
-            group_id="plain-" + topic,
+            group_id=f"{group}-{topic}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             **self.group_options,
         )
         await consumer.start()
+        while not consumer.assignment():
+            await consumer.getmany(timeout_ms=50)
+        return consumer
+
+    async def plain(self, topic: str, count: int, *, commit: bool) -> float:
+        consumer = await self.joined(topic, "plain")
         try:
-            while not consumer.assignment():
-                await consumer.getmany(timeout_ms=50)
             start, seen = time.perf_counter(), 0
             while seen < count:
                 fetched = await consumer.getmany(timeout_ms=100, max_records=500)
@@ -167,34 +172,19 @@ class Bench:
 
     async def by_hand(self, topic: str, count: int) -> float:
         """Plain aiokafka and plain async psycopg doing what the runner does, by hand."""
-        claim = (
-            f"INSERT INTO {self.tables.processed_events.fullname} (consumer, message_id, "
-            "processed_at, payload_hash, outcome, error) SELECT 'by-hand', m, now(), h, "
-            "'processed', NULL FROM unnest(%s::varchar[], %s::varchar[]) AS t(m, h) "
-            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
-        )
+        claim = plain_sql.claim_many(self.tables.processed_events.fullname)
         insert = f"INSERT INTO {self.schema}.ledger VALUES (%s, %s)"
         database = await psycopg.AsyncConnection.connect(self.conninfo)
-        consumer = AIOKafkaConsumer(
-            topic,
-            bootstrap_servers=self.bootstrap,
-            group_id="by-hand-" + topic,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            **self.group_options,
-        )
-        await consumer.start()
+        consumer = await self.joined(topic, "by-hand")
         try:
-            while not consumer.assignment():
-                await consumer.getmany(timeout_ms=50)
             start, seen, finished = time.perf_counter(), 0, 0.0
             while seen < count:
                 fetched = await consumer.getmany(timeout_ms=100, max_records=500)
                 for tp, records in fetched.items():
                     ids = [dict(r.headers)["event_id"].decode() for r in records]
-                    hashes = [hashlib.sha256(r.value).hexdigest() for r in records]
+                    hashes = plain_sql.hashes(r.value for r in records)
                     async with database.transaction(), database.cursor() as cur:
-                        await cur.execute(claim, (ids, hashes))
+                        await cur.execute(claim, ("by-hand", ids, hashes))
                         claimed = {row[0] for row in await cur.fetchall()}
                         for record_id, record in zip(ids, records, strict=True):
                             if record_id in claimed:

@@ -46,6 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome, Tables, install
 
 sys.path.insert(0, os.path.dirname(__file__))
+import plain_sql
 from measure import (
     MIN_ROUNDS,
     Conditions,
@@ -253,12 +254,7 @@ class Bench:
             "outcome, error) VALUES ('raw', %s, now(), %s, 'processed', NULL) "
             "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
         )
-        raw_claim_many = (
-            f"INSERT INTO {processed} (consumer, message_id, processed_at, payload_hash, "
-            "outcome, error) SELECT 'raw', m, now(), h, 'processed', NULL "
-            "FROM unnest(%s::varchar[], %s::varchar[]) AS t(m, h) "
-            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
-        )
+        raw_claim_many = plain_sql.claim_many(processed)
 
         def business_row(message: Message) -> tuple[Any, ...]:
             p = business_params(message)
@@ -276,8 +272,8 @@ class Bench:
                 for part in chunks(messages, size):
                     with raw_conn.transaction(), raw_conn.cursor() as cur:
                         ids = [m.id for m in part]
-                        hashes = [hashlib.sha256(m.body).hexdigest() for m in part]
-                        cur.execute(raw_claim_many, (ids, hashes))
+                        hashes = plain_sql.hashes(m.body for m in part)
+                        cur.execute(raw_claim_many, ("raw", ids, hashes))
                         claimed = {row[0] for row in cur.fetchall()}
                         rows = [business_row(m) for m in part if m.id in claimed]
                         if many:

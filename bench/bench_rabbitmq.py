@@ -26,7 +26,6 @@ with the slowest and fastest round, a ratio the ratio of two medians (``bench/me
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -47,6 +46,7 @@ from consumerdedup import DedupHandler, Deduplicator, Message, Outcome, Result, 
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
+import plain_sql
 from measure import Conditions, Series, add_round_arguments, check_rounds, print_pairs, print_table
 
 AMQP_URL = os.environ.get("CONSUMERDEDUP_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -175,12 +175,7 @@ class Bench:
 
     def by_hand(self, batch_size: int) -> Callable[[str, int], None]:
         """Plain pika and plain psycopg doing what the runner does, written out by hand."""
-        claim = (
-            f"INSERT INTO {self.tables.processed_events.fullname} (consumer, message_id, "
-            "processed_at, payload_hash, outcome, error) SELECT %s, m, now(), h, 'processed', "
-            "NULL FROM unnest(%s::varchar[], %s::varchar[]) AS t(m, h) "
-            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
-        )
+        claim = plain_sql.claim_many(self.tables.processed_events.fullname)
         insert = f"INSERT INTO {self.ledger} (amount, message_id) VALUES (%s, %s)"
         consumer = f"by-hand-{batch_size}"
 
@@ -194,7 +189,7 @@ class Bench:
 
             def commit_then_ack(ch: Any) -> None:
                 ids = [properties.message_id for _, properties, _ in pending]
-                hashes = [hashlib.sha256(body).hexdigest() for _, _, body in pending]
+                hashes = plain_sql.hashes(body for _, _, body in pending)
                 with database.transaction(), database.cursor() as cur:
                     cur.execute(claim, (consumer, ids, hashes))
                     claimed = {row[0] for row in cur.fetchall()}
