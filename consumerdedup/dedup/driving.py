@@ -47,6 +47,21 @@ def refusal(message: Message, why: str | None) -> InvalidMessage | None:
     return None
 
 
+Refusal = tuple[Message, InvalidMessage]
+
+
+def split(delivered: Sequence[Delivered]) -> tuple[list[Refusal | None], list[Message]]:
+    """Each delivery's refusal (None where it is usable), and the usable messages in order."""
+    refusals: list[Refusal | None] = []
+    messages: list[Message] = []
+    for message, why in delivered:
+        error = refusal(message, why)
+        refusals.append(None if error is None else (message, error))
+        if error is None:
+            messages.append(message)
+    return refusals, messages
+
+
 def merged(refused: Sequence[Result | None], processed: Iterator[Result]) -> list[Result]:
     """The refusals' Results where they stand, the batch's Results in the other slots."""
     return [result if result is not None else next(processed) for result in refused]
@@ -62,24 +77,9 @@ class BlockingDriver:
 
     def process(self, delivered: Sequence[Delivered], *, ordered: bool = False) -> list[Result]:
         """One Result per delivery, in order: the refused ones FAILED, the rest one batch."""
-        handler = self.handler
-        refused: list[Result | None] = []
-        messages: list[Message] = []
-        for message, why in delivered:
-            error = refusal(message, why)
-            if error is None:
-                messages.append(message)
-                refused.append(None)
-            elif isinstance(handler, AsyncDedupHandler):
-                refused.append(self._run(handler.refuse(message, error)))
-            else:
-                refused.append(handler.refuse(message, error))
-        if not messages:
-            processed: list[Result] = []
-        elif isinstance(handler, AsyncDedupHandler):
-            processed = self._run(handler.process_batch(messages, ordered=ordered))
-        else:
-            processed = handler.process_batch(messages, ordered=ordered)
+        refusals, messages = split(delivered)
+        refused = [None if r is None else self._refuse(*r) for r in refusals]
+        processed = self._batch(messages, ordered) if messages else []
         return merged(refused, iter(processed))
 
     def close(self) -> None:
@@ -87,6 +87,16 @@ class BlockingDriver:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+
+    def _refuse(self, message: Message, error: InvalidMessage) -> Result:
+        if isinstance(self.handler, AsyncDedupHandler):
+            return self._run(self.handler.refuse(message, error))
+        return self.handler.refuse(message, error)
+
+    def _batch(self, messages: list[Message], ordered: bool) -> list[Result]:
+        if isinstance(self.handler, AsyncDedupHandler):
+            return self._run(self.handler.process_batch(messages, ordered=ordered))
+        return self.handler.process_batch(messages, ordered=ordered)
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
@@ -105,22 +115,17 @@ class AsyncDriver:
         self, delivered: Sequence[Delivered], *, ordered: bool = False
     ) -> list[Result]:
         """One Result per delivery, in order: the refused ones FAILED, the rest one batch."""
-        handler = self.handler
-        refused: list[Result | None] = []
-        messages: list[Message] = []
-        for message, why in delivered:
-            error = refusal(message, why)
-            if error is None:
-                messages.append(message)
-                refused.append(None)
-            elif isinstance(handler, AsyncDedupHandler):
-                refused.append(await handler.refuse(message, error))
-            else:
-                refused.append(await asyncio.to_thread(handler.refuse, message, error))
-        if not messages:
-            processed: list[Result] = []
-        elif isinstance(handler, AsyncDedupHandler):
-            processed = await handler.process_batch(messages, ordered=ordered)
-        else:
-            processed = await asyncio.to_thread(handler.process_batch, messages, ordered=ordered)
+        refusals, messages = split(delivered)
+        refused = [None if r is None else await self._refuse(*r) for r in refusals]
+        processed = await self._batch(messages, ordered) if messages else []
         return merged(refused, iter(processed))
+
+    async def _refuse(self, message: Message, error: InvalidMessage) -> Result:
+        if isinstance(self.handler, AsyncDedupHandler):
+            return await self.handler.refuse(message, error)
+        return await asyncio.to_thread(self.handler.refuse, message, error)
+
+    async def _batch(self, messages: list[Message], ordered: bool) -> list[Result]:
+        if isinstance(self.handler, AsyncDedupHandler):
+            return await self.handler.process_batch(messages, ordered=ordered)
+        return await asyncio.to_thread(self.handler.process_batch, messages, ordered=ordered)
