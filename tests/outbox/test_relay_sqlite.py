@@ -31,6 +31,7 @@ from consumerdedup import (
     Tables,
     install,
 )
+from consumerdedup.adapters.rabbitmq import RabbitPublisher
 from consumerdedup.testing import MemoryBroker
 
 BOUND = 2.0
@@ -128,11 +129,10 @@ def test_consumers_keep_going_while_the_relay_waits_on_the_broker(files: Files) 
 
 
 def test_consumers_keep_going_while_a_rabbit_publisher_cannot_connect(files: Files) -> None:
-    rabbitmq = pytest.importorskip("consumerdedup.adapters.rabbitmq")
     with socket.socket() as probe:  # a local port where nothing answers
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    publisher = rabbitmq.RabbitPublisher(
+    publisher = RabbitPublisher(
         f"amqp://guest:guest@127.0.0.1:{port}/%2F", connect_timeout=timedelta(seconds=3)
     )
     files.add_events("k-1")
