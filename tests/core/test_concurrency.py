@@ -192,6 +192,42 @@ def test_process_killed_at_each_step_leaves_each_effect_once(db: Any, step: str)
         assert conn.exec_driver_sql(f"SELECT count(*) FROM {pe}").scalar() == 1
 
 
+@pytest.mark.parametrize("step", workers.BATCH_STEPS)
+def test_process_killed_between_a_batchs_spans_leaves_each_effect_once(db: Any, step: str) -> None:
+    """A batch split in spans by a transient failure (b-1, b-2 commit; b-3 alone; b-4, b-5):
+    killed after any span, the redelivered batch applies each message exactly once."""
+    ledger = db.create_ledger()
+    bodies = [json.dumps({"account": "alice", "amount": i}).encode() for i in range(1, 6)]
+    args = (db.url, names(db), ledger, bodies, step)
+    child = SPAWN.Process(target=workers.crash_in_batch, args=args)
+    child.start()
+    child.join(60)
+    assert child.exitcode == workers.CRASH_EXIT, f"child did not die at {step}"
+
+    dedup = Deduplicator(db.engine, consumer="ledger", tables=db.tables)
+
+    @dedup.handler
+    def handle(message: Message, session: Session) -> None:
+        session.execute(
+            text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('alice', 1, :m)"),
+            {"m": message.id},
+        )
+
+    messages = [Message(id=f"b-{i}", body=body) for i, body in enumerate(bodies, start=1)]
+    committed = {"b-1", "b-2"} | ({"b-3"} if step == "after_culprit_commit" else set())
+    expected = [Outcome.DUPLICATE if m.id in committed else Outcome.PROCESSED for m in messages]
+    assert handle.batch(messages) == expected
+    assert handle.batch(messages) == [Outcome.DUPLICATE] * 5
+    pe = db.tables.processed_events.fullname
+    with db.engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            f"SELECT message_id, count(*) FROM {ledger} GROUP BY message_id ORDER BY 1"
+        ).all()
+        assert rows == [(f"b-{i}", 1) for i in range(1, 6)]
+        outcomes = conn.exec_driver_sql(f"SELECT outcome FROM {pe}").scalars().all()
+        assert sorted(outcomes) == ["processed"] * 5
+
+
 @pytest.mark.parametrize("db", ["postgresql", "postgresql-partitioned"], indirect=True)
 @pytest.mark.parametrize("claim_first", [False, True])
 def test_concurrent_twins_on_postgres(db: Any, claim_first: bool) -> None:

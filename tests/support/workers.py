@@ -9,12 +9,13 @@ import os
 import random
 import time
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Integer, String, TextualSelect, create_engine, event, text
 from sqlalchemy.orm import Session
 
-from consumerdedup import Deduplicator, Message, Tables
+from consumerdedup import Deduplicator, Message, RetryLater, RetryPolicy, Tables
 from consumerdedup.dedup import partitioned_statements
 
 CRASH_EXIT = 99
@@ -145,4 +146,41 @@ def crash_at(url: str, names: Names, ledger: str, body: bytes, step: str) -> Non
     if step == "after_commit":  # committed, but the broker was never acked
         event.listen(Session, "after_commit", lambda session: die())
     dedup.handler(handler)(Message(id="p-1", body=body))
+    raise AssertionError(f"step {step!r} never reached")
+
+
+BATCH_STEPS = ("after_prefix_commit", "in_culprit_alone", "after_culprit_commit")
+
+
+def crash_in_batch(url: str, names: Names, ledger: str, bodies: list[bytes], step: str) -> None:
+    """A batch of b-1..b-5 whose b-3 fails transiently once, so the pipeline commits b-1 and
+    b-2, runs b-3 alone, then b-4 and b-5. Die (os._exit) at ``step`` of that sequence."""
+    _, dedup, insert = _deduplicator(
+        url, names, ledger, retry=RetryPolicy(initial_delay=timedelta(milliseconds=1))
+    )
+    culprit_calls = 0
+    commits = 0
+
+    def die() -> None:
+        os._exit(CRASH_EXIT)
+
+    def handler(message: Message, session: Session) -> None:
+        nonlocal culprit_calls
+        if message.id == "b-3":
+            culprit_calls += 1
+            if culprit_calls == 2 and step == "in_culprit_alone":
+                die()
+        insert(message, session)
+        if message.id == "b-3" and culprit_calls == 1:
+            raise RetryLater("b-3 is not ready yet")
+
+    def after_commit(session: Session) -> None:
+        nonlocal commits
+        commits += 1
+        if (step, commits) in {("after_prefix_commit", 1), ("after_culprit_commit", 2)}:
+            die()
+
+    event.listen(Session, "after_commit", after_commit)
+    messages = [Message(id=f"b-{i}", body=body) for i, body in enumerate(bodies, start=1)]
+    dedup.handler(handler).batch(messages)
     raise AssertionError(f"step {step!r} never reached")
