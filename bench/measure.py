@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -204,6 +205,24 @@ def postgres_settings(engine: Engine) -> dict[str, str]:
         return {name: str(conn.exec_driver_sql(f"SHOW {name}").scalar()) for name in PG_SETTINGS}
 
 
+def commit_latency(engine: Engine, commits: int = 50) -> float:
+    """Median ms of one tiny write transaction alone on the server (a round trip and a WAL
+    flush): the floor under every per-transaction figure, and the part the disk decides."""
+    table = f"bench_commit_{uuid.uuid4().hex[:10]}"
+    times = []
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.exec_driver_sql(f"CREATE TABLE {table} (n int)")
+        try:
+            for n in range(commits):
+                started = time.perf_counter()
+                conn.exec_driver_sql(f"INSERT INTO {table} VALUES ({n})")
+                times.append(time.perf_counter() - started)
+        finally:
+            conn.exec_driver_sql(f"DROP TABLE {table}")
+    return statistics.median(times) * 1000
+
+
 def libpq() -> str:
     version = psycopg.pq.version()
     return f"{version // 10000}.{version % 100}"
@@ -242,6 +261,11 @@ class Conditions:
             f"{pg['server_version']} on this machine: synchronous_commit="
             f"{pg['synchronous_commit']} fsync={pg['fsync']} "
             f"wal_sync_method={pg['wal_sync_method']} shared_buffers={pg['shared_buffers']}",
+        )
+        self.add(
+            "  commit",
+            f"{commit_latency(engine):.2f} ms for one write transaction alone (median of 50: "
+            "a round trip and a WAL flush: the floor under every per-transaction figure)",
         )
 
     def print(self) -> None:
