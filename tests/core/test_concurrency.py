@@ -163,16 +163,13 @@ def test_the_partitioned_claim_is_exact_only_with_its_lock(db: Any, locked: bool
     assert rows > 300, "with the lock taken out no twin ever slipped through"
 
 
-@pytest.mark.parametrize("step", ["before_handler", "in_handler", "after_insert", "after_commit"])
-def test_process_killed_at_each_step_leaves_each_effect_once(db: Any, step: str) -> None:
-    ledger = db.create_ledger()
-    body = json.dumps({"account": "alice", "amount": 10}).encode()
-    child = SPAWN.Process(target=workers.crash_at, args=(db.url, names(db), ledger, body, step))
+def die_then_redeliver(db: Any, ledger: str, crash: Any, payload: Any, step: str) -> Any:
+    """Run ``crash(url, names, ledger, payload, step)`` in a child that must die at ``step``;
+    return the handler of a fresh consumer, to redeliver with."""
+    child = SPAWN.Process(target=crash, args=(db.url, names(db), ledger, payload, step))
     child.start()
     child.join(60)
     assert child.exitcode == workers.CRASH_EXIT, f"child did not die at {step}"
-
-    # The redelivery, in a fresh consumer.
     dedup = Deduplicator(db.engine, consumer="ledger", tables=db.tables)
 
     @dedup.handler
@@ -182,6 +179,14 @@ def test_process_killed_at_each_step_leaves_each_effect_once(db: Any, step: str)
             {"m": message.id},
         )
 
+    return handle
+
+
+@pytest.mark.parametrize("step", ["before_handler", "in_handler", "after_insert", "after_commit"])
+def test_process_killed_at_each_step_leaves_each_effect_once(db: Any, step: str) -> None:
+    ledger = db.create_ledger()
+    body = json.dumps({"account": "alice", "amount": 10}).encode()
+    handle = die_then_redeliver(db, ledger, workers.crash_at, body, step)
     outcome = handle(Message(id="p-1", body=body))
     committed_before = step == "after_commit"
     assert outcome is (Outcome.DUPLICATE if committed_before else Outcome.PROCESSED)
@@ -198,21 +203,7 @@ def test_process_killed_between_a_batchs_spans_leaves_each_effect_once(db: Any, 
     killed after any span, the redelivered batch applies each message exactly once."""
     ledger = db.create_ledger()
     bodies = [json.dumps({"account": "alice", "amount": i}).encode() for i in range(1, 6)]
-    args = (db.url, names(db), ledger, bodies, step)
-    child = SPAWN.Process(target=workers.crash_in_batch, args=args)
-    child.start()
-    child.join(60)
-    assert child.exitcode == workers.CRASH_EXIT, f"child did not die at {step}"
-
-    dedup = Deduplicator(db.engine, consumer="ledger", tables=db.tables)
-
-    @dedup.handler
-    def handle(message: Message, session: Session) -> None:
-        session.execute(
-            text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('alice', 1, :m)"),
-            {"m": message.id},
-        )
-
+    handle = die_then_redeliver(db, ledger, workers.crash_in_batch, bodies, step)
     messages = [Message(id=f"b-{i}", body=body) for i, body in enumerate(bodies, start=1)]
     committed = {"b-1", "b-2"} | ({"b-3"} if step == "after_culprit_commit" else set())
     expected = [Outcome.DUPLICATE if m.id in committed else Outcome.PROCESSED for m in messages]
