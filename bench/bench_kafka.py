@@ -58,8 +58,8 @@ from consumerdedup.adapters.kafka import KafkaConfig, KafkaConsumerRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
 import plain_sql
-from bench_relay import start_tansu
 from measure import Conditions, Series, add_round_arguments, check_rounds, print_pairs, print_table
+from tansu import start_tansu
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 Scenario = Callable[[str, int], Awaitable[float]]
