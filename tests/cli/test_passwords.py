@@ -79,3 +79,17 @@ def test_secrets_mask_a_given_url_wherever_it_is_quoted() -> None:
     assert secrets.scrub(message) == (
         "AMQP connection to amqp://guest:***@127.0.0.1:1/%2F refused, see the server"
     )
+
+
+def test_secrets_also_mask_passwords_in_forms_they_were_not_given() -> None:
+    """A driver may quote the connection as key=value with the password decoded, and a
+    library may log a URL the command was never given: masked in place all the same."""
+    secrets = Secrets()
+    given = "postgresql://alice:p%40ss@db/x"  # the password is p@ss
+    secrets.add_url(given, make_url(given))
+    text = "connect(host=db user=alice password=p@ss dbname=x) failed via amqp://bob:s3cret@mq/"
+    scrubbed = secrets.scrub(text)
+    assert "p@ss" not in scrubbed and "s3cret" not in scrubbed
+    assert scrubbed == (
+        "connect(host=db user=alice password=*** dbname=x) failed via amqp://bob:***@mq/"
+    )

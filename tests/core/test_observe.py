@@ -294,6 +294,31 @@ def test_failed_reason_is_what_gets_recorded(db: Database) -> None:
     assert recorded == [("failed", result.reason)]
 
 
+def test_a_long_reason_is_cut_to_the_limit_everywhere_it_goes(db: Database) -> None:
+    """A reason travels in log lines, the error column and dead-letter headers: at most
+    REASON_LIMIT characters, whatever the handler raised."""
+    from consumerdedup.errors import REASON_LIMIT
+
+    dead: list[Result] = []
+    dedup = Deduplicator(
+        db.engine, consumer="ledger", tables=db.tables, retry=TWO_TRIES, dead_letter=dead.append
+    )
+
+    @dedup.handler
+    def handle(message: Message, session: Session) -> None:
+        raise PermanentError("no " * 2000)
+
+    result = handle.process(msg("long"))
+    assert result.outcome is Outcome.FAILED
+    reason = result.reason or ""
+    assert len(reason) == REASON_LIMIT and reason.startswith("PermanentError: no no")
+    assert reason.endswith("...")
+    assert dead and dead[0].reason == reason
+    pe = db.tables.processed_events
+    with db.engine.connect() as conn:
+        assert conn.execute(select(pe.c.error)).scalar_one() == reason
+
+
 @pytest.mark.parametrize(
     ("outcome", "acks"),
     [

@@ -577,3 +577,76 @@ def test_many_commit_time_culprits_are_each_isolated_within_the_budget(
         Outcome.FAILED if i % 2 else Outcome.PROCESSED for i in range(40)
     ]
     assert_invariants(db, ledger, results)
+
+
+SECRET = "hunter2-token"
+
+
+@pytest.mark.parametrize("attack", ["quoted", "quoted-with-quotes", "raised"])
+def test_no_reason_carries_a_value_the_database_quotes_back_or_raises_with(
+    pg_any: Database, flavor_on: Any, attack: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL quotes a rejected input back (``"..."``, itself holding quotes), and a
+    trigger or function may raise with a bare value in its text: neither reaches a reason,
+    the error column, a dead letter or a log line (invariant 6)."""
+    db, flavor = pg_any, flavor_on
+    refuse = db.name("refuse")
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {refuse}(t TEXT) RETURNS INTEGER LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'card %% refused', t; END $$"
+        )
+    leaked = {"quoted": SECRET, "quoted-with-quotes": SECRET, "raised": CARD}[attack]
+    if attack == "raised":
+        sql, params = f"SELECT {refuse}(:v)", {"v": CARD}
+    else:
+        value = SECRET if attack == "quoted" else f'pin "{SECRET}" end'
+        sql, params = "SELECT CAST(:v AS INTEGER)", {"v": value}
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        return [(sql, params)]
+
+    dead: list[Result] = []
+    caplog.set_level(logging.DEBUG, logger="consumerdedup")
+    handle = flavor.wrap(behavior, consumer="c", retry=FAST, dead_letter=dead.append)
+    result = handle.process(order("leak"))
+    assert result.outcome is Outcome.FAILED
+    assert dead and dead[0].reason
+    expected = "card ... refused" if attack == "raised" else "invalid input syntax"
+    assert expected in (result.reason or ""), result.reason
+    ours = [r for r in caplog.records if r.name.startswith("consumerdedup")]
+    logged = "\n".join(caplog.handler.format(r) for r in ours)
+    assert "leak" in logged
+    for text in (result.reason, records(db)["leak"][1], dead[0].reason, logged):
+        assert text and leaked not in text, text
+
+
+def test_a_swallowed_transient_database_error_is_retried_not_dead_lettered(
+    pg_any: Database, flavor_on: Any
+) -> None:
+    """A handler that catches a serialization failure and goes on cannot commit; what it
+    swallowed decides the class: transient, so it ends RETRY (no record, no effect), never
+    FAILED. Its batch-mates commit."""
+    db, flavor = pg_any, flavor_on
+    ledger = create_ledger(db)
+    conflict = db.name("conflict")
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {conflict}() RETURNS INTEGER LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'could not serialize' USING ERRCODE = '40001'; END $$"
+        )
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        steps = [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": message.id})]
+        if message.json().get("swallow"):
+            steps.append((f"{SWALLOW}SELECT {conflict}()", {}))
+        return steps
+
+    handle = flavor.wrap(behavior, consumer="c", retry=FAST)
+    results = handle.process_batch([order("t1"), order("t2", swallow=True), order("t3")])
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.RETRY, Outcome.PROCESSED]
+    assert isinstance(results[1].error, TransactionBroken)
+    assert "40001" in (results[1].reason or "")
+    assert "t2" not in records(db)
+    assert effects(db, ledger) == ["t1", "t3"]
+    assert_invariants(db, ledger, results)
