@@ -284,6 +284,22 @@ class RunnerContract:
         assert all(any(f"reason={reason}" in line for line in logged) for reason in reasons)
         assert harness.held() == 0
 
+    def test_a_malformed_message_amid_a_batch_is_dead_lettered_in_its_own_place(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        """A delivery refused before the pipeline sits between two good ones of one batch:
+        its FAILED must go to it, not shift onto a neighbour (which would dead-letter m-1
+        and ack the refused delivery)."""
+        harness.publish("m-1", body(1))
+        harness.publish(None, body(2))
+        harness.publish("m-3", body(3))
+        harness.consume(ledger.behavior, batch_size=3 if harness.capabilities.batches else 1)
+        assert ledger.applied() == ["m-1", "m-3"]
+        dead = harness.dead_letters()
+        assert len(dead) == 1 and dead[0][0] not in {"m-1", "m-3"}, dead
+        assert "InvalidMessage" in dead[0][1]
+        assert harness.held() == 0
+
     def test_stop_finishes_the_batch_in_flight_and_loses_nothing(
         self, harness: Harness, ledger: Ledger
     ) -> None:
