@@ -10,7 +10,6 @@ in order.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
@@ -27,7 +26,7 @@ from consumerdedup import (
     SimulatedCrash,
 )
 from consumerdedup.outbox.sending import Sender
-from tests.support.outbox_events import Downstream, add_events
+from tests.support.outbox_events import Downstream, add_events, running
 
 FAST = RelayConfig(batch_size=200, poll_interval=timedelta(seconds=0.2))
 
@@ -96,16 +95,8 @@ class RelayToBrokerContract:
             OutboxRelay(db.engine, broker_side.publisher(), tables=db.tables, config=FAST)
             for _ in range(3)
         ]
-        threads = [threading.Thread(target=relay.run) for relay in relays]
-        for thread in threads:
-            thread.start()
-        try:
+        with running(relays):
             assert relays[0].wait_drained(300)
-        finally:
-            for relay in relays:
-                relay.stop()
-            for thread in threads:
-                thread.join(30)
         assert all(r.published > 0 for r in relays), [r.published for r in relays]
         # Several relays never publish a row twice while it is in flight (the README), and
         # nothing failed here: every event is at the broker exactly once.

@@ -28,6 +28,7 @@ from consumerdedup import (
 )
 from consumerdedup.headers import ID_HEADER
 from consumerdedup.testing import MemoryBroker
+from tests.support.outbox_events import running
 
 QUICK = RelayConfig(
     batch_size=50,
@@ -253,16 +254,8 @@ def test_three_relays_at_once_keep_per_key_order_and_publish_everything(pg: Any)
     broker = MemoryBroker()
     config = RelayConfig(batch_size=40, poll_interval=timedelta(seconds=0.05))
     relays = [OutboxRelay(pg.engine, broker, tables=pg.tables, config=config) for _ in range(3)]
-    threads = [threading.Thread(target=relay.run) for relay in relays]
-    for thread in threads:
-        thread.start()
-    try:
+    with running(relays):
         assert relays[0].wait_drained(120)
-    finally:
-        for relay in relays:
-            relay.stop()
-        for thread in threads:
-            thread.join(30)
     assert sum(relay.published for relay in relays) == len(events)  # none published twice
     assert all(relay.published > 0 for relay in relays), [r.published for r in relays]
     seen: dict[str, list[int]] = defaultdict(list)
@@ -303,7 +296,6 @@ def test_producers_committing_while_relays_run_keep_each_keys_add_order(pg: Any)
     broker = MemoryBroker()
     config = RelayConfig(batch_size=20, poll_interval=timedelta(milliseconds=20))
     relays = [OutboxRelay(pg.engine, broker, tables=pg.tables, config=config) for _ in range(2)]
-    threads = [threading.Thread(target=relay.run) for relay in relays]
     outbox = Outbox(pg.tables)
     added: dict[str, float] = {}  # body: when add() returned (monotonic)
     overlaps = 0  # same-key adds that had to wait for another producer's commit
@@ -322,17 +314,12 @@ def test_producers_committing_while_relays_run_keep_each_keys_add_order(pg: Any)
                 time.sleep(pause.uniform(0.001, 0.008))  # committed a little later
 
     producers = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
-    for thread in threads + producers:
-        thread.start()
-    try:
+    with running(relays):
+        for thread in producers:
+            thread.start()
         for thread in producers:
             thread.join(60)
         assert relays[0].wait_drained(60)
-    finally:
-        for relay in relays:
-            relay.stop()
-        for thread in threads:
-            thread.join(30)
     published = [m.body.decode() for m in broker.messages("orders")]
     assert sorted(published) == sorted(added)  # every event once
     by_key: dict[str, list[str]] = defaultdict(list)

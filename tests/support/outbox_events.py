@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from consumerdedup import DedupHandler, Deduplicator, Message, Outbox
+from consumerdedup import DedupHandler, Deduplicator, Message, Outbox, OutboxRelay
 
 
 def add_events(db: Any, destination: str, count: int, keys: int, chunk: int = 500) -> list[str]:
@@ -20,6 +23,22 @@ def add_events(db: Any, destination: str, count: int, keys: int, chunk: int = 50
                 body = f"k{n % keys}:{n // keys}".encode()
                 ids.append(outbox.add(session, destination, body, key=f"k{n % keys}"))
     return ids
+
+
+@contextmanager
+def running(relays: Sequence[OutboxRelay]) -> Iterator[None]:
+    """Each relay's ``run()`` in a thread of its own; stopped and joined on the way out,
+    whatever the block raised."""
+    threads = [threading.Thread(target=relay.run) for relay in relays]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        for relay in relays:
+            relay.stop()
+        for thread in threads:
+            thread.join(30)
 
 
 class Downstream:
