@@ -54,6 +54,7 @@ def test_a_one_letter_password_in_the_query_leaves_the_traceback_readable() -> N
     assert run.code == 1
     assert REFUSED in run.err and REFUSED_PORT in run.err and "Traceback" in run.err
     assert "***" not in run.err.replace("password=***", "")
+    assert "password=***" in run.err and "password=e" not in run.err  # quoted, masked
 
 
 def test_passwords_are_masked_where_they_stand() -> None:
