@@ -267,25 +267,81 @@ def test_three_relays_at_once_keep_per_key_order_and_publish_everything(pg: Any)
         assert seen[key] == sorted(seen[key]), f"key {key} out of order"
 
 
+def waits_on_a_lock(pg: Any, pid: int, returned: Any) -> bool:
+    """True once backend ``pid`` waits on a heavyweight lock (the key's advisory lock);
+    False as soon as ``returned()`` says its add() went through without waiting."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if returned():
+            return False
+        state = pg.scalar(f"SELECT wait_event_type FROM pg_stat_activity WHERE pid = {pid}")
+        if state == "Lock":
+            return True
+        time.sleep(0.01)
+    raise AssertionError(f"backend {pid} neither returned from add() nor waited on a lock")
+
+
 def test_same_key_producers_commit_in_id_order(pg: Any) -> None:
     """A second transaction adding the same key waits for the first to commit."""
     outbox = Outbox(pg.tables)
-    first = Session(pg.engine)
-    outbox.add(first, "orders", b"first", key="k")
+    second_pid: list[int] = []
     second_done = threading.Event()
 
     def second() -> None:
         with Session(pg.engine) as session, session.begin():
+            second_pid.append(session.execute(text("SELECT pg_backend_pid()")).scalar_one())
             outbox.add(session, "orders", b"second", key="k")
         second_done.set()
 
     thread = threading.Thread(target=second)
-    thread.start()
-    assert not second_done.wait(0.5)  # blocked on the key while the first is open
-    first.commit()
-    first.close()
-    thread.join(10)
+    with Session(pg.engine) as first:  # closed whatever fails: DROP SCHEMA must not wait on it
+        try:
+            outbox.add(first, "orders", b"first", key="k")
+            thread.start()
+            while not second_pid and thread.is_alive():
+                time.sleep(0.005)
+            assert second_pid, "the second producer died before its add()"
+            waited = waits_on_a_lock(pg, second_pid[0], second_done.is_set)
+            assert waited, "the second add() of key k returned while the first was open"
+            first.commit()
+        finally:
+            first.rollback()  # a no-op after the commit; on a failure, frees the key
+            thread.join(10)
     assert second_done.is_set()
+    assert [r.body for r in outbox_rows(pg)] == [b"first", b"second"]
+
+
+async def test_same_key_producers_commit_in_id_order_with_async_sessions(pg: Any) -> None:
+    """The same with AsyncSession: Outbox.add's async path takes the key lock too."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    engine = pg.async_engine()
+    outbox = Outbox(pg.tables)
+    second_pid: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def second() -> None:
+        async with AsyncSession(engine) as session, session.begin():
+            pid = await session.execute(text("SELECT pg_backend_pid()"))
+            second_pid.set_result(pid.scalar_one())
+            await outbox.add(session, "orders", b"second", key="k")
+
+    try:
+        async with AsyncSession(engine) as first:
+            await outbox.add(first, "orders", b"first", key="k")
+            task = asyncio.create_task(second())
+            try:
+                pid = await asyncio.wait_for(second_pid, 10)
+                waited = await asyncio.to_thread(waits_on_a_lock, pg, pid, task.done)
+                assert waited, "the second add() of key k returned while the first was open"
+                await first.commit()
+                await asyncio.wait_for(task, 10)
+            finally:
+                task.cancel()
+                await first.rollback()
+    finally:
+        await engine.dispose()
     assert [r.body for r in outbox_rows(pg)] == [b"first", b"second"]
 
 
