@@ -4,6 +4,9 @@ backoff or parked is not published by the other, whose scan saw it a moment earl
 Relay A reads its candidates; before it locks them, relay B runs a whole round
 that fails those rows and commits. A then locks the keys and re-reads the rows:
 what it publishes must follow what B decided.
+
+And the other way round: while relay A waits on the broker for a key's row, a newer row
+of that key is committed; relay B's round meanwhile must leave the key alone.
 """
 
 from __future__ import annotations
@@ -100,3 +103,43 @@ def test_a_row_another_relay_just_parked_is_not_tried_again(pg: Database, engine
         "ValueError: refused k1",
         "ValueError: refused loose",
     ]
+
+
+class Confirming(Publisher):
+    """A MemoryBroker publisher that runs ``meanwhile`` once before the broker confirms
+    ``first``: relay A's round, key lock and row locks held, waits there."""
+
+    def __init__(self, broker: MemoryBroker, first: bytes, meanwhile: Any) -> None:
+        self.broker, self.first, self.meanwhile = broker, first, meanwhile
+
+    def publish(self, destination: str, body: bytes, key: Any = None, headers: Any = None) -> None:
+        if body == self.first and self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        self.broker.publish(destination, body, key=key, headers=headers)
+
+
+def test_a_key_one_relay_is_publishing_is_left_alone_by_the_other(
+    pg: Database, engine_a: Engine
+) -> None:
+    """Rows added while a relay runs: k:1 is committed while A publishes k:0. B's scan then
+    sees k:0 (row-locked by A, skipped) and k:1 (free): only the key lock keeps B from
+    publishing k:1 before k:0 is confirmed."""
+    add(pg, [("k:0", "k")])
+    broker = MemoryBroker()
+    relay_b = OutboxRelay(pg.engine, broker, tables=pg.tables, config=LATER)
+    during_a: list[bytes] = []
+
+    def while_a_publishes_k0() -> None:
+        add(pg, [("k:1", "k"), ("j:0", "j")])
+        relay_b.run_once()
+        during_a.extend(m.body for m in broker.messages("orders"))
+
+    relay_a = OutboxRelay(
+        engine_a, Confirming(broker, b"k:0", while_a_publishes_k0), tables=pg.tables, config=LATER
+    )
+    assert relay_a.run_once() == 1
+    assert during_a == [b"j:0"], "relay B published key k while relay A held k:0 unconfirmed"
+    assert relay_b.run_once() == 1  # k:1, now that A's round committed
+    assert [m.body for m in broker.messages("orders")] == [b"j:0", b"k:0", b"k:1"]
+    assert all(row.published_at is not None for row in rows(pg).values())
