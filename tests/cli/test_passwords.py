@@ -114,6 +114,6 @@ def test_a_password_in_the_query_string_is_never_printed(
     assert run.code == 0, run.err
     assert secret not in run.out, f"the password is printed in clear: {run.out!r}"
     assert secret not in run.err, "the password is in the log lines"
-    assert run.out.startswith(f"created {schema}.pe, {schema}.ob (") and "password=***" in run.out
+    assert run.out.startswith(f"created {schema}.pe, {schema}.ob") and "password=***" in run.out
     if verbose:  # the DEBUG line naming the database was printed, masked
         assert "password=***" in run.err, run.err
