@@ -112,7 +112,7 @@ class RetryPolicy:
 
     def classify(self, exc: BaseException) -> ErrorKind:
         # The library's named errors keep their meaning whatever the extensions say.
-        if isinstance(exc, PermanentError | RetryLater):
+        if isinstance(exc, PermanentError | RetryLater | ConfigurationError):
             return classify(exc)
         if isinstance(exc, TransactionBroken) and exc.cause is not None:
             return self.classify(exc.cause)  # what the handler swallowed decides
@@ -124,8 +124,13 @@ class RetryPolicy:
 
 
 def classify(exc: BaseException) -> ErrorKind:
-    """The built-in rules: named errors first, then what the database driver says."""
-    if isinstance(exc, PermanentError):
+    """The built-in rules: named errors first, then what the database driver says.
+
+    A ConfigurationError that reaches here was raised by a handler (a bad argument
+    to ``Outbox.add``): the same message fails the same way every time. One that our
+    own statements or the driver meet never gets here: it stops the caller.
+    """
+    if isinstance(exc, PermanentError | ConfigurationError):
         return ErrorKind.PERMANENT
     if isinstance(exc, RetryLater | TimeoutError | ConnectionError):
         return ErrorKind.TRANSIENT

@@ -25,6 +25,7 @@ from .ops import (
     Execute,
     Op,
     Rollback,
+    handler_code,
 )
 from .pipeline import Batch, Pipeline
 from .settings import DeduplicatorSettings, Observer
@@ -161,8 +162,9 @@ class AsyncDedupHandler:
         assert connection is not None, "an AsyncConnection in a transaction has its connection"
         call = HandlerCall(session.sync_session, connection)
         try:
-            await self.fn(message, session)
-            await session.flush()  # a pending ORM write fails now, charged to its own message
+            with handler_code():
+                await self.fn(message, session)
+                await session.flush()  # a pending ORM write fails now, charged to its own message
         finally:
             call.finish()
         call.verify()

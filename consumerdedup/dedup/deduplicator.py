@@ -25,6 +25,7 @@ from .ops import (
     Execute,
     Op,
     Rollback,
+    handler_code,
 )
 from .pipeline import Batch, Pipeline
 from .settings import DeduplicatorSettings, Observer
@@ -160,11 +161,13 @@ class DedupHandler:
     def _call(self, message: Message, session: Session) -> None:
         call = HandlerCall(session, session.connection())
         try:
-            returned = self.fn(message, session)
+            with handler_code():
+                returned = self.fn(message, session)
             if inspect.iscoroutine(returned):  # an async callable that is no coroutine function
                 returned.close()
                 raise ConfigurationError(_ASYNC_HANDLER.format(self.fn))
-            session.flush()  # a pending ORM write fails now, charged to its own message
+            with handler_code():
+                session.flush()  # a pending ORM write fails now, charged to its own message
         finally:
             call.finish()
         call.verify()

@@ -6,7 +6,8 @@ the exception it raised thrown back in.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,34 @@ class CallHandler:
     """Call the user's handler with the message and the session.
 
     The driver then checks that the transaction is still the pipeline's and
-    alive, and throws TransactionBroken in if it is not.
+    alive, and throws TransactionBroken in if it is not. What the handler's own
+    code raised comes in as HandlerRaised (see ``handler_code``): the message's
+    failure, whatever its type. Anything else thrown in here is the driver's.
     """
 
     message: Message
+
+
+class HandlerRaised(Exception):
+    """What the user's code raised, as the driver throws it in at CallHandler.
+
+    It carries the origin: a ConfigurationError the handler raised (a bad
+    argument to ``Outbox.add``) is that message's failure, while one the driver
+    raises on its own (a handler of the wrong kind) is a setup fault.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+@contextmanager
+def handler_code() -> Iterator[None]:
+    """Around the user's code in a driver: whatever it raises comes out as HandlerRaised."""
+    try:
+        yield
+    except Exception as exc:
+        raise HandlerRaised(exc) from exc
 
 
 @dataclass(frozen=True, slots=True)

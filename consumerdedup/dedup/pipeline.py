@@ -34,6 +34,7 @@ from .ops import (
     CallHandler,
     Commit,
     Execute,
+    HandlerRaised,
     Op,
     Rollback,
 )
@@ -144,9 +145,12 @@ class Pipeline:
             for item in fresh:
                 try:
                     yield CallHandler(item.message)
+                except HandlerRaised as raised:  # the user's code: this message's failure
+                    yield Rollback()
+                    return self._handler_failed(batch, span, item, raised.error)
                 except ConfigurationError:
-                    raise
-                except Exception as exc:
+                    raise  # the driver's own check of the handler: a setup fault
+                except Exception as exc:  # the handler broke the transaction (TransactionBroken)
                     yield Rollback()
                     return self._handler_failed(batch, span, item, exc)
                 handled.append(item)
@@ -160,7 +164,7 @@ class Pipeline:
                 return self._report(batch, backoff=False)
             yield Commit()
         except ConfigurationError:
-            raise  # a wrong setup is no message's failure: the caller must hear of it
+            raise  # our own statements met a wrong setup: no message's failure, the caller's
         except Exception as exc:  # the transaction itself failed: nothing of it stands
             return self._transaction_failed(batch, span, exc)
         for item in handled:
