@@ -46,15 +46,45 @@ def to_message(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
     The id is the ``config.id_header`` header, else what ``config.key`` returns,
     else (``coordinates_as_id``) ``coordinates_id``. A header that is
     present but unusable is refused, never replaced by a fallback.
+
+    Never raises: a record this cannot read is refused with the reason (one record's
+    conversion error raising here would stop its partition on every restart).
     """
+    try:
+        return _converted(record, config)
+    except Exception as exc:
+        return unreadable(record), f"the record cannot be read: {describe(exc)}"
+
+
+def unreadable(record: Any) -> Message:
+    """A Message of what can surely be taken from ``record``: enough to dead-letter it."""
+    value = getattr(record, "value", None)
+    topic = getattr(record, "topic", None)
+    return Message(
+        id=None,
+        body=value if isinstance(value, bytes) else b"",
+        source=topic if isinstance(topic, str) else "",
+        partition=_int_or_none(getattr(record, "partition", None)),
+        offset=_int_or_none(getattr(record, "offset", None)),
+        raw=record,
+    )
+
+
+def _converted(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
     headers: dict[str, str] = {}
     raw_id: bytes | None = None
     has_id = False
     for name, value in record.headers:
+        if not isinstance(name, str) or not isinstance(value, bytes | None):
+            raise TypeError(
+                f"a header is not (str, bytes): {type(name).__name__}, {type(value).__name__}"
+            )
         # Non-UTF-8 header values stay readable, and intact in ``raw.headers``.
         headers[name] = (value or b"").decode("utf-8", errors="backslashreplace")
         if name == config.id_header:  # the last one wins, as in the Java client's lastHeader()
             raw_id, has_id = value or b"", True
+    if not isinstance(record.value, bytes | None):
+        raise TypeError(f"the value is a {type(record.value).__name__}, not bytes")
     message = Message(
         id=None,
         body=record.value if record.value is not None else b"",
@@ -62,15 +92,28 @@ def to_message(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
         source=record.topic,
         partition=record.partition,
         offset=record.offset,
-        timestamp=datetime.fromtimestamp(record.timestamp / 1000, UTC)
-        if record.timestamp is not None and record.timestamp >= 0
-        else None,
+        timestamp=timestamp(record.timestamp),
         raw=record,
     )
     message, refusal = _with_id(message, record, config, raw_id if has_id else None)
     if refusal is None and record.value is None:
         refusal = "the record has a null value (a tombstone): there is nothing to process"
     return message, refusal
+
+
+def timestamp(milliseconds: Any) -> datetime | None:
+    """The record's time; None where there is none (-1) or Python cannot hold it (any int64
+    is a valid CreateTime): the record is not at fault, ``raw.timestamp`` keeps it."""
+    if not isinstance(milliseconds, int) or milliseconds < 0:
+        return None
+    try:
+        return datetime.fromtimestamp(milliseconds / 1000, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) else None
 
 
 def _with_id(
@@ -98,12 +141,24 @@ def _with_id(
 
 def dead_letter_headers(record: Any, reason: str, consumer: str) -> list[tuple[str, bytes]]:
     """The original headers (any earlier dead-letter ones replaced) plus why and from where."""
-    kept = [(name, value) for name, value in record.headers if name not in _OURS]
+    kept = [
+        (name, value or b"")
+        for name, value in _header_pairs(record)
+        if name not in _OURS and isinstance(name, str) and isinstance(value, bytes | None)
+    ]
     return [
         *kept,
         (REASON_HEADER, reason[:MAX_REASON].encode()),
         (CONSUMER_HEADER, consumer.encode()),
-        (SOURCE_HEADER, record.topic.encode()),
+        (SOURCE_HEADER, str(record.topic).encode()),
         (PARTITION_HEADER, str(record.partition).encode()),
         (OFFSET_HEADER, str(record.offset).encode()),
     ]
+
+
+def _header_pairs(record: Any) -> list[Any]:
+    """``record.headers`` as pairs; none at all if they cannot be read as such."""
+    try:
+        return [pair for pair in record.headers if isinstance(pair, tuple) and len(pair) == 2]
+    except TypeError:
+        return []

@@ -37,9 +37,31 @@ def to_message(delivery: Delivery, queue: str, config: RabbitConfig) -> tuple[Me
 
     The id is the ``message_id`` property, else the ``config.id_header`` header,
     else what ``config.key`` returns; it is never made up.
+
+    Never raises: a delivery this cannot read is refused with the reason (one delivery's
+    conversion error raising here would stop the queue on every restart).
     """
+    try:
+        return _converted(delivery, queue, config)
+    except Exception as exc:
+        return unreadable(delivery, queue), f"the delivery cannot be read: {describe(exc)}"
+
+
+def unreadable(delivery: Delivery, queue: str) -> Message:
+    """A Message of what can surely be taken from ``delivery``: enough to dead-letter it."""
+    body = delivery.body
+    return Message(
+        id=None, body=body if isinstance(body, bytes) else b"", source=queue, raw=delivery
+    )
+
+
+def _converted(delivery: Delivery, queue: str, config: RabbitConfig) -> tuple[Message, str | None]:
     props = delivery.properties
     raw_headers = props.headers or {}
+    if not isinstance(raw_headers, dict):
+        raise TypeError(f"the headers are a {type(raw_headers).__name__}, not a table")
+    if not isinstance(delivery.body, bytes):
+        raise TypeError(f"the body is a {type(delivery.body).__name__}, not bytes")
     message = Message(
         id=None,
         body=delivery.body,
@@ -71,8 +93,9 @@ def dead_letter_properties(
 ) -> pika.BasicProperties:
     """The original properties plus the reason headers, persistent, never expiring."""
     props = copy.copy(delivery.properties)
+    headers = delivery.properties.headers
     props.headers = {
-        **(delivery.properties.headers or {}),
+        **(headers if isinstance(headers, dict) else {}),
         REASON_HEADER: reason[:MAX_REASON],
         CONSUMER_HEADER: consumer,
         SOURCE_HEADER: queue,
