@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from ..db import sqlite
-from ..errors import ConfigurationError, DestinationMissing, describe
+from ..errors import ConfigurationError, DestinationMissing, InvalidMessage, describe
 from ..lifecycle import StopSwitch
 from ..retry import Backoff, ErrorKind, classify
 from ..schema import DEFAULT, Tables, utcnow
@@ -214,8 +214,10 @@ class OutboxRelay(StopSwitch):
             return self.statements.backlog(conn, self.config.max_attempts)
 
     def _publish(self, row: Any) -> BaseException | None:
-        headers = dict(row.headers or {})
         try:
+            # Inside the handling: a row written by hand with malformed headers is that row's
+            # failure (and holds its key), never the round's.
+            headers = _headers(row)
             self.sender.publish(row.destination, row.body, row.key, headers)
         except Exception as exc:
             if not isinstance(exc, DestinationMissing) and classify(exc) is ErrorKind.TRANSIENT:
@@ -246,3 +248,18 @@ class OutboxRelay(StopSwitch):
         with self._idle:
             self._rounds += 1
             self._idle.notify_all()
+
+
+def _headers(row: Any) -> dict[str, str]:
+    """The row's headers as the publisher takes them; InvalidMessage if the column holds
+    anything but a JSON object of strings (Outbox.add writes nothing else)."""
+    headers = row.headers if row.headers is not None else {}
+    if not isinstance(headers, dict) or not all(
+        isinstance(name, str) and isinstance(value, str) for name, value in headers.items()
+    ):
+        raise InvalidMessage(
+            f"outbox row {row.id}: headers must be a JSON object of strings, got "
+            f"{type(headers).__name__}"
+            + ("" if not isinstance(headers, dict) else " with other values")
+        )
+    return dict(headers)
