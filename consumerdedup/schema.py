@@ -52,11 +52,12 @@ _BIGINT_ID = BigInteger().with_variant(Integer(), "sqlite")
 
 @dataclass(frozen=True)
 class Tables:
-    """The processed_events and outbox tables, under names you choose."""
+    """The processed_events, outbox and idempotency_keys tables, under names you choose."""
 
     metadata: MetaData
     processed_events: Table
     outbox: Table
+    idempotency_keys: Table
     partitioned: bool = False
     """processed_events is range-partitioned by day on processed_at (PostgreSQL only)."""
 
@@ -68,8 +69,12 @@ class Tables:
         metadata: MetaData | None = None,
         *,
         partitioned: bool = False,
+        idempotency_keys: str | None = None,
     ) -> Tables:
-        """The two tables; ``partitioned=True`` makes processed_events range-partitioned by day.
+        """The tables; ``partitioned=True`` makes processed_events range-partitioned by day.
+
+        ``idempotency_keys`` (the HTTP idempotency-key records) defaults to a
+        table of that name in processed_events' schema.
 
         A partitioned table lets the pruner drop whole days instead of deleting
         rows (20x faster), but PostgreSQL cannot keep (consumer, message_id)
@@ -80,7 +85,15 @@ class Tables:
         metadata = metadata if metadata is not None else MetaData()
         pe_schema, pe_name = split_name(processed_events)
         ob_schema, ob_name = split_name(outbox)
-        for name in (processed_events, outbox):
+        if idempotency_keys is None:
+            idempotency_keys = f"{pe_schema}.idempotency_keys" if pe_schema else "idempotency_keys"
+        ik_schema, ik_name = split_name(idempotency_keys)
+        if len({processed_events, outbox, idempotency_keys}) < 3:
+            raise ConfigurationError(
+                f"the tables need three different names, not {processed_events!r}, "
+                f"{outbox!r} and {idempotency_keys!r}"
+            )
+        for name in (processed_events, outbox, idempotency_keys):
             if name in metadata.tables:
                 raise ConfigurationError(f"table {name!r} is already defined on this MetaData")
         if not isinstance(partitioned, bool):
@@ -136,11 +149,36 @@ class Tables:
             Index(_index_name(ob_name, "published_at"), "published_at"),
             schema=ob_schema,
         )
-        return cls(metadata=metadata, processed_events=pe, outbox=ob, partitioned=partitioned)
+        ik = Table(
+            ik_name,
+            metadata,
+            # scope: principal digest + method + route (consumerdedup.http.flow.scope_of).
+            Column("scope", String(ID_LENGTH), primary_key=True),
+            Column("key", String(ID_LENGTH), primary_key=True),
+            Column("fingerprint", String(64), nullable=False),
+            Column("state", String(16), nullable=False),  # in_flight, completed, not_stored
+            # Who holds an in-flight claim, and until when (its lease): a dead worker's lapses.
+            Column("token", String(32), nullable=True),
+            Column("locked_until", DateTime(timezone=True), nullable=True),
+            Column("status", Integer, nullable=True),
+            Column("headers", JSON, nullable=True),
+            Column("body", LargeBinary, nullable=True),
+            Column("created_at", DateTime(timezone=True), nullable=False),
+            Column("expires_at", DateTime(timezone=True), nullable=True),
+            Index(_index_name(ik_name, "expires_at"), "expires_at"),
+            schema=ik_schema,
+        )
+        return cls(
+            metadata=metadata,
+            processed_events=pe,
+            outbox=ob,
+            idempotency_keys=ik,
+            partitioned=partitioned,
+        )
 
     @property
-    def all(self) -> tuple[Table, Table]:
-        return (self.processed_events, self.outbox)
+    def all(self) -> tuple[Table, Table, Table]:
+        return (self.processed_events, self.outbox, self.idempotency_keys)
 
     @property
     def notify_channel(self) -> str:

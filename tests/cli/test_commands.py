@@ -121,12 +121,20 @@ def test_init_db_twice_on_postgres(pg_target: PgTarget) -> None:
     first = cli("init-db", *pg_target.options)
     assert first.code == 0, first.err
     assert "created" in first.out
-    assert table_names(pg_target.url, pg_target.schema) == {"processed_events", "outbox"}
+    assert table_names(pg_target.url, pg_target.schema) == {
+        "processed_events",
+        "outbox",
+        "idempotency_keys",
+    }
 
     second = cli("init-db", *pg_target.options)
     assert second.code == 0, second.err
     assert "already present" in second.out
-    assert table_names(pg_target.url, pg_target.schema) == {"processed_events", "outbox"}
+    assert table_names(pg_target.url, pg_target.schema) == {
+        "processed_events",
+        "outbox",
+        "idempotency_keys",
+    }
 
 
 @pytest.mark.postgres
@@ -163,7 +171,7 @@ def test_sql_on_sqlite_creates_no_file(tmp_path: Path) -> None:
     path = tmp_path / "never.db"
     run = cli("init-db", "--sql", "--db", f"sqlite:///{path}")
     assert run.code == 0, run.err
-    assert run.out.count("CREATE TABLE") == 2
+    assert run.out.count("CREATE TABLE") == 3
     assert not path.exists()
 
 

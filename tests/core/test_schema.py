@@ -143,7 +143,8 @@ def test_every_name_define_accepts_installs_on_postgresql(
 ) -> None:
     tables = Tables.define(f"{pg_schema}.{LONGEST}", f"{pg_schema}.{'y' * 63}")
     install(pg_engine, tables)
-    assert set(inspect(pg_engine).get_table_names(schema=pg_schema)) == {LONGEST, "y" * 63}
+    names = set(inspect(pg_engine).get_table_names(schema=pg_schema))
+    assert names == {LONGEST, "y" * 63, "idempotency_keys"}
 
 
 # The user's own MetaData (what Alembic autogenerate compares against)
@@ -155,7 +156,7 @@ def test_define_onto_the_users_metadata(sqlite_engine: Engine) -> None:
     tables = Tables.define("dedup_seen", "dedup_outbox", metadata=metadata)
 
     assert tables.metadata is metadata
-    assert set(metadata.tables) == {"orders", "dedup_seen", "dedup_outbox"}
+    assert set(metadata.tables) == {"orders", "dedup_seen", "dedup_outbox", "idempotency_keys"}
     assert metadata.tables["dedup_seen"] is tables.processed_events
     assert metadata.tables["dedup_outbox"] is tables.outbox
     # The user's create_all (or migration) builds the library's tables with their own.
@@ -164,6 +165,7 @@ def test_define_onto_the_users_metadata(sqlite_engine: Engine) -> None:
         "orders",
         "dedup_seen",
         "dedup_outbox",
+        "idempotency_keys",
     }
 
 
@@ -171,7 +173,7 @@ def test_default_tables_do_not_land_in_a_users_metadata() -> None:
     metadata = MetaData()
     Tables.define(metadata=metadata)
     Tables.define()  # another, private MetaData
-    assert set(metadata.tables) == {"processed_events", "outbox"}
+    assert set(metadata.tables) == {"processed_events", "outbox", "idempotency_keys"}
 
 
 # install
@@ -199,6 +201,7 @@ def test_install_twice_on_postgresql_creates_the_schema_and_keeps_data(
     assert set(inspect(pg_engine).get_table_names(schema=pg_schema)) == {
         "processed_events",
         "outbox",
+        "idempotency_keys",
     }
     with pg_engine.begin() as conn:
         conn.execute(insert(tables.processed_events), processed_row("c", "m-1"))
@@ -216,6 +219,7 @@ def test_install_on_a_connection_joins_its_transaction(pg_engine: Engine, pg_sch
         assert set(inspect(conn).get_table_names(schema=pg_schema)) == {
             "processed_events",
             "outbox",
+            "idempotency_keys",
         }
         conn.rollback()
     assert pg_schema not in inspect(pg_engine).get_schema_names()  # rolled back with it
@@ -225,6 +229,7 @@ def test_install_on_a_connection_joins_its_transaction(pg_engine: Engine, pg_sch
     assert set(inspect(pg_engine).get_table_names(schema=pg_schema)) == {
         "processed_events",
         "outbox",
+        "idempotency_keys",
     }
 
 
@@ -233,7 +238,7 @@ def test_install_on_a_sqlite_connection(sqlite_engine: Engine) -> None:
     with sqlite_engine.begin() as conn:
         install(conn, tables)
         conn.execute(insert(tables.processed_events), processed_row("c", "m-1"))
-    assert set(inspect(sqlite_engine).get_table_names()) == {"seen", "out"}
+    assert set(inspect(sqlite_engine).get_table_names()) == {"seen", "out", "idempotency_keys"}
 
 
 def test_custom_table_names_work_end_to_end(db: Database) -> None:
@@ -290,7 +295,11 @@ def test_ddl_on_postgresql_creates_the_schema_first_and_runs_as_printed(
         for statement in statements:
             conn.exec_driver_sql(statement)
         conn.execute(insert(tables.processed_events), processed_row("c", "m-1"))
-    assert set(inspect(pg_engine).get_table_names(schema=pg_schema)) == {"seen", "out"}
+    assert set(inspect(pg_engine).get_table_names(schema=pg_schema)) == {
+        "seen",
+        "out",
+        "idempotency_keys",
+    }
 
 
 def test_ddl_on_sqlite_runs_as_printed(sqlite_engine: Engine) -> None:
@@ -301,7 +310,11 @@ def test_ddl_on_sqlite_runs_as_printed(sqlite_engine: Engine) -> None:
                 conn.exec_driver_sql(statement)
         conn.execute(insert(tables.outbox), outbox_row("e-1"))
         assert conn.execute(select(tables.outbox.c.id)).scalar_one() == 1
-    assert set(inspect(sqlite_engine).get_table_names()) == {"processed_events", "outbox"}
+    assert set(inspect(sqlite_engine).get_table_names()) == {
+        "processed_events",
+        "outbox",
+        "idempotency_keys",
+    }
 
 
 # Keys and indexes, as the database reports them

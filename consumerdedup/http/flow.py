@@ -1,0 +1,254 @@
+"""The idempotency-key algorithm, once, as a generator that does no I/O.
+
+``decide(request, policy)`` yields operations (read the body, claim, pause,
+run the endpoint, complete, release) and is sent each one's result; it
+returns what the driver must do with the response. The ASGI and the WSGI
+middleware are drivers: they only carry the operations out, so the two can
+never disagree on a rule.
+
+Operations and what the driver sends back:
+    ReadBody(limit)      -> the whole request body, or None if it is longer than limit
+    Claim(...)           -> a store.ClaimResult (transactional: claim_in the request's session)
+    Pause(seconds)       -> None, after sleeping
+    Run(token)           -> Finished | Overflowed | Crashed (renewing the lease meanwhile)
+    Complete(...)        -> bool: stored (transactional: stored and committed)
+    Release(...)         -> None (transactional: rolled back)
+Returned decisions: PassThrough, Respond(response), SendCaptured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Generator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from . import problems
+from .fingerprint import RequestFacts
+from .keys import HEADER, InvalidIdempotencyKey, key_label, parse_key
+from .policy import IdempotencyPolicy, RoutePolicy
+from .store import Claimed, ClaimResult, Completed, Mismatch
+from .stored import StoredResponse
+
+log = logging.getLogger("consumerdedup.http")
+
+RETRYABLE_STATUSES = frozenset({408, 425, 429})
+"""4xx answers that mean "try again later", not "this input is wrong": never stored."""
+SCOPE_LENGTH = 255
+_FIRST_POLL = 0.02
+_LONGEST_POLL = 0.5
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A request as the driver sees it before reading the body."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: tuple[tuple[str, str], ...]
+    principal: str | None = None
+
+
+# Operations (yielded)
+@dataclass(frozen=True)
+class ReadBody:
+    limit: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    scope: str
+    key: str
+    fingerprint: str
+    policy: RoutePolicy
+
+
+@dataclass(frozen=True)
+class Pause:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Run:
+    token: str
+    policy: RoutePolicy
+
+
+@dataclass(frozen=True)
+class Complete:
+    scope: str
+    key: str
+    token: str
+    response: StoredResponse
+    expiry: timedelta
+
+
+@dataclass(frozen=True)
+class Release:
+    scope: str
+    key: str
+    token: str
+
+
+Operation = ReadBody | Claim | Pause | Run | Complete | Release
+
+
+# What Run reports
+@dataclass(frozen=True)
+class Finished:
+    """The endpoint answered completely, within max_stored_body."""
+
+    response: StoredResponse
+
+
+@dataclass(frozen=True)
+class Overflowed:
+    """The endpoint's response grew past max_stored_body: the driver holds what it has."""
+
+    status: int
+
+
+@dataclass(frozen=True)
+class Crashed:
+    """The endpoint raised, the client went away, or the response never completed."""
+
+    error: BaseException | None
+
+
+RunResult = Finished | Overflowed | Crashed
+
+
+# Decisions (returned)
+@dataclass(frozen=True)
+class PassThrough:
+    """Not ours: call the app as if the middleware were not there."""
+
+
+@dataclass(frozen=True)
+class Respond:
+    """Send this response; the endpoint did not run. ``replayed``: add Idempotent-Replayed."""
+
+    response: StoredResponse
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class SendCaptured:
+    """Send what the endpoint produced (or re-raise its error); ``stored`` says if it was kept."""
+
+    stored: bool
+
+
+Decision = PassThrough | Respond | SendCaptured
+
+
+def scope_of(method: str, path: str, principal: str | None) -> str:
+    """Principal + method + route; the principal only as a digest (it may be an API key)."""
+    scope = f"{method.upper()} {path}"
+    if principal is not None:
+        scope += " @" + hashlib.sha256(principal.encode("utf-8")).hexdigest()[:32]
+    if len(scope) > SCOPE_LENGTH:
+        scope = f"{method.upper()} sha256:{hashlib.sha256(scope.encode('utf-8')).hexdigest()}"
+    return scope
+
+
+def should_store(status: int) -> bool:
+    """2xx and 4xx (and 3xx) are answers to keep; 5xx and "retry later" 4xx are not."""
+    return status < 500 and status not in RETRYABLE_STATUSES
+
+
+def decide(request: Incoming, policy: IdempotencyPolicy) -> Generator[Operation, Any, Decision]:
+    """The algorithm for one request (see the module docstring for the protocol)."""
+    route = policy.for_request(request.method, request.path)
+    if route is None:
+        return PassThrough()
+    where = f"{request.method.upper()} {request.path}"
+    try:
+        key = parse_key(v for n, v in request.headers if n.lower() == HEADER)
+    except InvalidIdempotencyKey as error:
+        log.info("idempotency refused %s: malformed key", where)
+        return Respond(problems.malformed_key(str(error)).response())
+    if key is None:
+        if route.required:
+            log.info("idempotency refused %s: key missing", where)
+            return Respond(problems.missing_key().response())
+        return PassThrough()
+    label = key_label(key)
+    body = yield ReadBody(route.max_request_body)
+    if body is None:
+        log.info(
+            "idempotency refused %s %s: body over %d bytes", where, label, route.max_request_body
+        )
+        return Respond(problems.body_too_large(route.max_request_body).response())
+    facts = RequestFacts(request.method.upper(), request.path, request.query, body, request.headers)
+    fingerprint = route.fingerprint(facts)
+    scope = scope_of(request.method, request.path, request.principal)
+    claimed = yield from _claim(Claim(scope, key, fingerprint, route), where, label)
+    if not isinstance(claimed, Claimed):
+        return claimed
+    log.info("idempotency claimed %s %s", where, label)
+    ran: RunResult = yield Run(claimed.token, route)
+    if isinstance(ran, Crashed):
+        yield Release(scope, key, claimed.token)
+        log.info("idempotency released %s %s: the endpoint did not complete", where, label)
+        return SendCaptured(stored=False)
+    if isinstance(ran, Finished) and not should_store(ran.response.status):
+        yield Release(scope, key, claimed.token)
+        log.info(
+            "idempotency released %s %s: status %d is not stored", where, label, ran.response.status
+        )
+        return SendCaptured(stored=False)
+    if isinstance(ran, Overflowed):
+        kept = StoredResponse.unreplayable(ran.status)
+        log.warning(
+            "idempotency not stored %s %s: response over %d bytes or streamed; a retry "
+            "gets 409 response-not-stored",
+            where,
+            label,
+            route.max_stored_body,
+        )
+    else:
+        kept = ran.response
+    stored = yield Complete(scope, key, claimed.token, kept, route.expiry)
+    if not stored and route.transactional:
+        log.warning("idempotency commit failed %s %s: nothing done, retry runs", where, label)
+        return Respond(problems.commit_failed().response())
+    if not stored:
+        log.warning(
+            "idempotency claim lost %s %s: the lease ran out before the endpoint "
+            "finished; its response was not stored",
+            where,
+            label,
+        )
+    return SendCaptured(stored=bool(stored))
+
+
+def _claim(claim: Claim, where: str, label: str) -> Generator[Operation, Any, Claimed | Respond]:
+    """Claim, pausing for an in-flight twin while the route's wait allows (not transactional:
+    there the store waits on the row lock itself)."""
+    waited = 0.0
+    poll = _FIRST_POLL
+    budget = 0.0 if claim.policy.transactional else claim.policy.wait.total_seconds()
+    while True:
+        result: ClaimResult = yield claim
+        if isinstance(result, Claimed):
+            return result
+        if isinstance(result, Mismatch):
+            log.info("idempotency mismatch %s %s: key reused with another request", where, label)
+            return Respond(problems.mismatch().response())
+        if isinstance(result, Completed):
+            if not result.response.replayable:
+                log.info("idempotency not stored %s %s: refused a retry", where, label)
+                return Respond(problems.not_stored(result.response.status).response())
+            log.info("idempotency replayed %s %s", where, label)
+            return Respond(result.response, replayed=True)
+        if waited >= budget:
+            log.info("idempotency in flight %s %s", where, label)
+            return Respond(problems.in_flight(result.retry_after).response())
+        step = min(poll, budget - waited, result.retry_after or poll)
+        yield Pause(max(step, 0.001))
+        waited += step
+        poll = min(poll * 2, _LONGEST_POLL)
