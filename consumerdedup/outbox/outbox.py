@@ -13,11 +13,12 @@ from sqlalchemy import String, Table, bindparam, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from ..db import locks
+from ..db import dialects, locks
 from ..errors import ConfigurationError
 from ..headers import ID_HEADER
 from ..schema import DEFAULT, ID_LENGTH, Tables, utcnow
 
+_ADD = "Outbox.add"
 _clock = threading.Lock()
 _last = [0, 0]  # millisecond, counter
 
@@ -45,7 +46,8 @@ class Outbox:
     lock on the key in this outbox table, so two transactions adding events
     with the same key commit in the order their rows were numbered. The relay
     publishes a key's events in that order; events without a key carry no
-    order promise.
+    order promise. A session in autocommit mode is refused (ConfigurationError):
+    its row would commit alone, whatever became of the caller's transaction.
     """
 
     def __init__(self, tables: Tables = DEFAULT) -> None:
@@ -83,12 +85,16 @@ class Outbox:
         row = self._row(destination, body, key, headers)
         if isinstance(session, AsyncSession):
             return self._add_async(session, row)
+        dialects.require_transaction(session.connection(), _ADD, driver=False)
         if key is not None and _dialect(session) == "postgresql":
             session.execute(self._lock, {"key": key})
         session.execute(self._insert, row)
         return str(row["event_id"])
 
     async def _add_async(self, session: AsyncSession, row: dict[str, Any]) -> str:
+        connection = (await session.connection()).sync_connection
+        assert connection is not None, "an AsyncConnection in a transaction has its connection"
+        dialects.require_transaction(connection, _ADD, driver=False)
         if row["key"] is not None and session.get_bind().dialect.name == "postgresql":
             await session.execute(self._lock, {"key": row["key"]})
         await session.execute(self._insert, row)

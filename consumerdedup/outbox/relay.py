@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from ..db import sqlite
+from ..db import dialects, sqlite
 from ..errors import ConfigurationError, DestinationMissing, InvalidMessage, describe
 from ..lifecycle import StopSwitch
 from ..retry import Backoff, ErrorKind, classify
@@ -84,6 +84,7 @@ class OutboxRelay(StopSwitch):
         config: RelayConfig | None = None,
     ) -> None:
         super().__init__()
+        dialects.require_transactional(engine, "OutboxRelay", driver=False)  # locks need one
         self.engine = engine
         self.postgres = engine.dialect.name == "postgresql"
         self.publisher = publisher
@@ -103,6 +104,7 @@ class OutboxRelay(StopSwitch):
         with self.engine.connect() as conn:
             if self.postgres:  # the key locks taken by the claim hold until the marks commit
                 with conn.begin():
+                    dialects.require_transaction(conn, "OutboxRelay", driver=False)
                     done = self._round(conn, self._claim(conn))
             else:
                 with conn.begin():  # reads only: SQLite takes no write lock
