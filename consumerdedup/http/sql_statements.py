@@ -1,0 +1,178 @@
+"""The SQL store's statements, and its claim as steps: one set for the blocking and asyncio stores.
+
+``claim_steps`` yields (statement, params) pairs and is sent each one's rows;
+it returns the ClaimResult. It is the same for a claim committed on its own
+(with a lease) and for one inside the request's transaction (no lease: the
+row lock is the lease, see TransactionalStore).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Generator, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, bindparam, delete, or_, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql import Executable
+
+from ..db.dialects import require_supported
+from ..schema import Tables
+from .store import Claimed, ClaimResult, Completed, InFlight, Mismatch
+from .stored import CorruptStoredResponse, StoredResponse
+
+IN_FLIGHT = "in_flight"
+COMPLETED = "completed"
+NOT_STORED = "not_stored"
+_ATTEMPTS = 3  # a record can vanish between our INSERT and SELECT (its claim released)
+
+Step = tuple[Executable, dict[str, Any]]
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def aware(moment: datetime | None) -> datetime | None:
+    """SQLite gives back naive datetimes; ours are always UTC."""
+    if moment is not None and moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    return moment
+
+
+class KeyStatements:
+    """Statements over one idempotency_keys table for one dialect; built once."""
+
+    def __init__(self, tables: Tables, dialect: str) -> None:
+        require_supported(dialect)
+        self.dialect = dialect
+        t = self.table = tables.idempotency_keys
+        where_key = and_(t.c.scope == bindparam("b_scope"), t.c.key == bindparam("b_key"))
+        mine = and_(where_key, t.c.token == bindparam("b_token"), t.c.state == IN_FLIGHT)
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        self.insert = (
+            insert(t).on_conflict_do_nothing(index_elements=[t.c.scope, t.c.key]).returning(t.c.key)
+        )
+        now: Any = bindparam("b_now")
+        # Free to take: a record past its expiry (a new request, whatever its body), or an
+        # in-flight claim whose lease ran out (its worker died) for the same request.
+        self.reclaim = (
+            update(t)
+            .where(
+                where_key,
+                or_(
+                    and_(t.c.state != IN_FLIGHT, t.c.expires_at <= now),
+                    and_(
+                        t.c.state == IN_FLIGHT,
+                        t.c.locked_until <= now,
+                        t.c.fingerprint == bindparam("b_fingerprint"),
+                    ),
+                ),
+            )
+            .values(
+                fingerprint=bindparam("b_fingerprint"),
+                state=IN_FLIGHT,
+                token=bindparam("b_token"),
+                locked_until=bindparam("b_locked_until"),
+                status=None,
+                headers=None,
+                body=None,
+                created_at=now,
+                expires_at=None,
+            )
+            .returning(t.c.key)
+        )
+        self.read = select(
+            t.c.fingerprint, t.c.state, t.c.locked_until, t.c.status, t.c.headers, t.c.body
+        ).where(where_key)
+        finish: dict[str, Any] = {
+            "state": bindparam("b_state"),
+            "status": bindparam("b_status"),
+            "headers": bindparam("b_headers"),
+            "body": bindparam("b_body"),
+            "expires_at": bindparam("b_expires_at"),
+            "token": None,
+            "locked_until": None,
+        }
+        self.complete = update(t).where(mine).values(**finish)
+        self.complete_in = update(t).where(where_key, t.c.state == IN_FLIGHT).values(**finish)
+        self.renew = update(t).where(mine).values(locked_until=bindparam("b_locked_until"))
+        self.release = delete(t).where(mine)
+        self.swap_lock_timeout = text(
+            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', :value, true)"
+        )
+        self.set_lock_timeout = text("SELECT set_config('lock_timeout', :value, true)")
+
+    def claim_steps(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        now: datetime,
+        lease: timedelta | None,
+    ) -> Generator[Step, Sequence[Any], ClaimResult]:
+        """The claim; ``lease=None`` inside the request's transaction (the row lock holds it)."""
+        token = new_token()
+        locked_until = now + lease if lease is not None else None
+        params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_fingerprint": fingerprint}
+        params |= {"b_now": now, "b_token": token, "b_locked_until": locked_until}
+        row: dict[str, Any] = {"scope": scope, "key": key, "fingerprint": fingerprint}
+        row["state"] = IN_FLIGHT
+        row |= {"token": token, "locked_until": locked_until, "created_at": now}
+        for _ in range(_ATTEMPTS):
+            if (yield self.insert, row):
+                return Claimed(token)
+            if (yield self.reclaim, params):
+                return Claimed(token)
+            found = yield self.read, {"b_scope": scope, "b_key": key}
+            if found:
+                return judge(found[0], fingerprint, now)
+        return InFlight(1.0)
+
+    def finish_params(
+        self, scope: str, key: str, response: StoredResponse, expires_at: datetime
+    ) -> dict[str, Any]:
+        return {
+            "b_scope": scope,
+            "b_key": key,
+            "b_state": COMPLETED if response.replayable else NOT_STORED,
+            "b_status": response.status,
+            "b_headers": [list(pair) for pair in response.headers],
+            "b_body": response.body,
+            "b_expires_at": expires_at,
+        }
+
+
+def judge(row: Any, fingerprint: str, now: datetime) -> ClaimResult:
+    """What a live record someone else holds means for this request."""
+    if row.fingerprint != fingerprint:
+        return Mismatch()
+    if row.state == IN_FLIGHT:
+        until = aware(row.locked_until)
+        left = (until - now).total_seconds() if until is not None else 1.0
+        return InFlight(max(left, 0.0))
+    if row.state not in (COMPLETED, NOT_STORED):
+        raise CorruptStoredResponse(f"idempotency record in unknown state {row.state!r}")
+    if row.state == NOT_STORED:
+        return Completed(StoredResponse.unreplayable(int(row.status)))
+    try:
+        headers = tuple((str(n), str(v)) for n, v in row.headers)
+    except (TypeError, ValueError) as error:
+        raise CorruptStoredResponse(f"stored headers unreadable: {error}") from None
+    return Completed(StoredResponse(int(row.status), headers, bytes(row.body or b"")))
+
+
+def lock_wait(wait: timedelta) -> str:
+    """PostgreSQL lock_timeout for a transactional claim: 0 would mean forever, so at least 1 ms."""
+    return f"{max(1, round(wait.total_seconds() * 1000))}ms"
+
+
+def is_lock_timeout(error: BaseException) -> bool:
+    """The twin's claim waited past its budget: PostgreSQL 55P03, SQLite's busy timeout."""
+    orig = getattr(error, "orig", error)
+    if getattr(orig, "sqlstate", None) == "55P03":
+        return True
+    return getattr(orig, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED") or (
+        "database is locked" in str(orig)
+    )

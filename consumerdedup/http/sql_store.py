@@ -1,0 +1,194 @@
+"""The idempotency-key records in a SQL table (PostgreSQL, SQLite), blocking and asyncio.
+
+A claim commits on its own with a lease (``claim``), or lives inside the
+request's transaction (``claim_in``, transactional mode): see store.py for
+the contract, sql_statements.py for the SQL (one set for both stores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+from ..db import dialects, sqlite
+from ..errors import ConfigurationError
+from ..schema import DEFAULT, Tables, utcnow
+from .sql_statements import KeyStatements, Step, lock_wait
+from .store import ClaimResult
+from .stored import StoredResponse
+
+Clock = Callable[[], datetime]
+WHAT = "the idempotency-key store"
+
+
+def _drive_sync(
+    conn: Connection, steps: Generator[Step, Sequence[Any], ClaimResult]
+) -> ClaimResult:
+    rows: Sequence[Any] | None = None
+    while True:
+        try:
+            statement, params = steps.send(rows) if rows is not None else next(steps)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        rows = conn.execute(statement, params).all()
+
+
+async def _drive_async(
+    conn: AsyncConnection | AsyncSession, steps: Generator[Step, Sequence[Any], ClaimResult]
+) -> ClaimResult:
+    rows: Sequence[Any] | None = None
+    while True:
+        try:
+            statement, params = steps.send(rows) if rows is not None else next(steps)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        rows = (await conn.execute(statement, params)).all()
+
+
+def _begin(conn: Connection) -> None:
+    """A real, write-locked transaction on a verified driver (BEGIN IMMEDIATE on SQLite)."""
+    sqlite.begin_immediate(conn)
+    dialects.require_transaction(conn, WHAT)
+
+
+class SqlStore:
+    """IdempotencyStore and TransactionalStore over a blocking Engine."""
+
+    def __init__(self, engine: Engine, tables: Tables = DEFAULT, *, clock: Clock = utcnow) -> None:
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(f"{WHAT}: expected a SQLAlchemy Engine, not {engine!r}")
+        dialects.require_transactional(engine, WHAT)
+        self.engine = engine
+        self.tables = tables
+        self.clock = clock
+        self.statements = KeyStatements(tables, engine.dialect.name)
+
+    def claim(self, scope: str, key: str, fingerprint: str, lease: timedelta) -> ClaimResult:
+        now = self.clock()
+        with self.engine.connect() as conn, conn.begin():
+            _begin(conn)
+            return _drive_sync(
+                conn, self.statements.claim_steps(scope, key, fingerprint, now, lease)
+            )
+
+    def renew(self, scope: str, key: str, token: str, lease: timedelta) -> bool:
+        params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_token": token}
+        params["b_locked_until"] = self.clock() + lease
+        return self._write(self.statements.renew, params)
+
+    def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse, expiry: timedelta
+    ) -> bool:
+        params = self.statements.finish_params(scope, key, response, self.clock() + expiry)
+        return self._write(self.statements.complete, params | {"b_token": token})
+
+    def release(self, scope: str, key: str, token: str) -> None:
+        self._write(self.statements.release, {"b_scope": scope, "b_key": key, "b_token": token})
+
+    def _write(self, statement: Any, params: dict[str, Any]) -> bool:
+        with self.engine.connect() as conn, conn.begin():
+            _begin(conn)
+            return bool(conn.execute(statement, params).rowcount == 1)
+
+    # Transactional mode: inside the request's Session, which the caller commits.
+    def claim_in(
+        self, session: Session, scope: str, key: str, fingerprint: str, wait: timedelta
+    ) -> ClaimResult:
+        conn = session.connection()
+        _begin(conn)
+        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), None)
+        if conn.dialect.name != "postgresql":
+            return _drive_sync(conn, steps)  # SQLite: BEGIN IMMEDIATE waited (busy timeout)
+        swap = self.statements.swap_lock_timeout
+        previous = conn.execute(swap, {"value": lock_wait(wait)}).scalar_one()
+        result = _drive_sync(conn, steps)
+        conn.execute(self.statements.set_lock_timeout, {"value": previous})
+        return result
+
+    def complete_in(
+        self, session: Session, scope: str, key: str, response: StoredResponse, expiry: timedelta
+    ) -> None:
+        params = self.statements.finish_params(scope, key, response, self.clock() + expiry)
+        if session.execute(self.statements.complete_in, params).rowcount != 1:  # type: ignore[attr-defined]
+            raise ConfigurationError(
+                f"{WHAT}: the claimed record vanished inside its own transaction "
+                "(another writer deleted it); nothing is committed"
+            )
+
+
+class AsyncSqlStore:
+    """AsyncIdempotencyStore and AsyncTransactionalStore over an AsyncEngine."""
+
+    def __init__(
+        self, engine: AsyncEngine, tables: Tables = DEFAULT, *, clock: Clock = utcnow
+    ) -> None:
+        if not isinstance(engine, AsyncEngine):
+            raise ConfigurationError(f"{WHAT}: expected a SQLAlchemy AsyncEngine, not {engine!r}")
+        dialects.require_transactional(engine.sync_engine, WHAT)
+        self.engine = engine
+        self.tables = tables
+        self.clock = clock
+        self.statements = KeyStatements(tables, engine.dialect.name)
+
+    async def claim(self, scope: str, key: str, fingerprint: str, lease: timedelta) -> ClaimResult:
+        now = self.clock()
+        async with self.engine.connect() as conn, conn.begin():
+            await conn.run_sync(_begin)
+            steps = self.statements.claim_steps(scope, key, fingerprint, now, lease)
+            return await _drive_async(conn, steps)
+
+    async def renew(self, scope: str, key: str, token: str, lease: timedelta) -> bool:
+        params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_token": token}
+        params["b_locked_until"] = self.clock() + lease
+        return await self._write(self.statements.renew, params)
+
+    async def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse, expiry: timedelta
+    ) -> bool:
+        params = self.statements.finish_params(scope, key, response, self.clock() + expiry)
+        return await self._write(self.statements.complete, params | {"b_token": token})
+
+    async def release(self, scope: str, key: str, token: str) -> None:
+        await self._write(
+            self.statements.release, {"b_scope": scope, "b_key": key, "b_token": token}
+        )
+
+    async def _write(self, statement: Any, params: dict[str, Any]) -> bool:
+        async with self.engine.connect() as conn, conn.begin():
+            await conn.run_sync(_begin)
+            return bool((await conn.execute(statement, params)).rowcount == 1)
+
+    async def claim_in(
+        self, session: AsyncSession, scope: str, key: str, fingerprint: str, wait: timedelta
+    ) -> ClaimResult:
+        conn = await session.connection()
+        await conn.run_sync(_begin)
+        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), None)
+        if conn.dialect.name != "postgresql":
+            return await _drive_async(conn, steps)
+        swap = self.statements.swap_lock_timeout
+        previous = (await conn.execute(swap, {"value": lock_wait(wait)})).scalar_one()
+        result = await _drive_async(conn, steps)
+        await conn.execute(self.statements.set_lock_timeout, {"value": previous})
+        return result
+
+    async def complete_in(
+        self,
+        session: AsyncSession,
+        scope: str,
+        key: str,
+        response: StoredResponse,
+        expiry: timedelta,
+    ) -> None:
+        params = self.statements.finish_params(scope, key, response, self.clock() + expiry)
+        result = await session.execute(self.statements.complete_in, params)
+        if result.rowcount != 1:  # type: ignore[attr-defined]
+            raise ConfigurationError(
+                f"{WHAT}: the claimed record vanished inside its own transaction "
+                "(another writer deleted it); nothing is committed"
+            )
