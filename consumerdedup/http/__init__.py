@@ -7,9 +7,11 @@ idempotency keys).
 
 from __future__ import annotations
 
+from .asgi import SESSION_KEY, IdempotencyMiddleware
 from .fingerprint import Fingerprinter, RequestFacts, default_fingerprint, json_fields
 from .keys import InvalidIdempotencyKey, parse_key
 from .policy import IdempotencyPolicy, RoutePolicy, idempotent
+from .sql_store import AsyncSqlStore, SqlStore
 from .store import (
     AsyncIdempotencyStore,
     AsyncTransactionalStore,
@@ -24,12 +26,15 @@ from .store import (
 from .stored import StoredResponse
 
 __all__ = [
+    "SESSION_KEY",
     "AsyncIdempotencyStore",
+    "AsyncSqlStore",
     "AsyncTransactionalStore",
     "ClaimResult",
     "Claimed",
     "Completed",
     "Fingerprinter",
+    "IdempotencyMiddleware",
     "IdempotencyPolicy",
     "IdempotencyStore",
     "InFlight",
@@ -37,6 +42,7 @@ __all__ = [
     "Mismatch",
     "RequestFacts",
     "RoutePolicy",
+    "SqlStore",
     "StoredResponse",
     "TransactionalStore",
     "default_fingerprint",
