@@ -128,7 +128,9 @@ def test_consumers_keep_going_while_the_relay_waits_on_the_broker(files: Files) 
     assert bodies[:2] == [b"0", b"1"] and len(bodies) == 22
 
 
-def test_consumers_keep_going_while_a_rabbit_publisher_cannot_connect(files: Files) -> None:
+def test_consumers_keep_going_while_a_rabbit_publisher_cannot_connect(
+    files: Files, caplog: pytest.LogCaptureFixture
+) -> None:
     with socket.socket() as probe:  # a local port where nothing answers
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -140,8 +142,13 @@ def test_consumers_keep_going_while_a_rabbit_publisher_cannot_connect(files: Fil
     round_ = threading.Thread(target=relay.run_once)
     round_.start()
     try:
-        time.sleep(0.3)  # the relay is now retrying its connection
-        took = consume_while(files, round_, count=10)
+        deadline = time.monotonic() + 10
+        # The publisher logs each failed connection attempt before it tries again.
+        while not any("connection attempt" in r.getMessage() for r in list(caplog.records)):
+            assert round_.is_alive(), "the relay's round ended before it retried a connection"
+            assert time.monotonic() < deadline, "the relay never tried to connect"
+            time.sleep(0.02)
+        took = consume_while(files, round_, count=10)  # the relay is retrying meanwhile
     finally:
         round_.join(30)
     assert took < BOUND, f"10 messages took {took:.1f}s while the relay tried to connect"

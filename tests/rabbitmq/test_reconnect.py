@@ -3,6 +3,7 @@ does not exist, and connections that drop again and again (real broker, through 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -70,7 +71,7 @@ def test_a_missing_dead_letter_exchange_holds_back_the_refused_message_only(
 
 
 def test_reconnect_delays_grow_while_connections_keep_dropping_and_reset_after_progress(
-    pg: Any, rabbit: Broker
+    pg: Any, rabbit: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     queue = rabbit.queue()
     params = pika.URLParameters(rabbit.url)
@@ -83,13 +84,23 @@ def test_reconnect_delays_grow_while_connections_keep_dropping_and_reset_after_p
         queue,
         reconnect_delay=timedelta(milliseconds=100),
         max_reconnect_delay=timedelta(milliseconds=800),
+        prefetch=1,  # m-2 below is delivered only once the broker has m-1's ack
+        batch_size=1,
     )
+    caplog.set_level(logging.INFO, logger="consumerdedup.rabbitmq")
+
+    def consuming() -> int:
+        """basic_consume calls the runner has completed (it logs each one)."""
+        return sum(" consuming " in record.getMessage() for record in list(caplog.records))
+
     thread = threading.Thread(target=consumer.runner.run, daemon=True)
     thread.start()
 
     def drop() -> float:
         """Drop the runner's connection once it is consuming; how long until the next one."""
-        time.sleep(0.3)  # the handshake and basic_consume are done by then
+        # Cut only a connection past its handshake and basic_consume: a cut during the
+        # handshake would measure connect()'s own retry, not the runner's reconnect delay.
+        wait_for(lambda: consuming() >= len(proxy.accepted), "the runner to consume again")
         count = len(proxy.accepted)
         cut = time.monotonic()
         proxy.cut()
@@ -102,9 +113,8 @@ def test_reconnect_delays_grow_while_connections_keep_dropping_and_reset_after_p
         gaps = [drop() for _ in range(5)]
         # Progress (a message handled and acked) starts the backoff over.
         rabbit.publish(queue, body(n=1), "m-1")
-        wait_for(lambda: consumer.applied() == ["m-1"], "the message")
-        time.sleep(0.3)
-        wait_for(lambda: rabbit.ready(queue) == 0, "the ack")
+        rabbit.publish(queue, body(n=2), "m-2")
+        wait_for(lambda: consumer.applied() == ["m-1", "m-2"], "m-2, sent once m-1 was acked")
         after_progress = drop()
     finally:
         consumer.runner.stop()

@@ -290,12 +290,22 @@ def test_a_queue_deleted_while_consuming_stops_the_runner_with_an_error(
 def test_stop_from_another_thread_ends_an_idle_runner_promptly(db: Any, rabbit: Broker) -> None:
     """Noticed within 0.1 s (the README), then the consumer is cancelled and the
     connection closed: run() has returned within that and a loaded machine's margin."""
-    consumer = Consumer(db, rabbit, rabbit.queue())
+    queue = rabbit.queue()
+    consumer = Consumer(db, rabbit, queue)
     stop = consumer.start()
-    time.sleep(0.3)
+    try:
+        deadline = time.monotonic() + 15
+        while rabbit.channel.queue_declare(queue, passive=True).method.consumer_count == 0:
+            assert time.monotonic() < deadline, "the runner never started consuming"
+            time.sleep(0.02)
+        # Consuming an empty queue: idle, waiting for a delivery.
+    except BaseException:
+        stop()
+        raise
     started = time.monotonic()
     stop()
-    assert time.monotonic() - started < NOTICED + MARGIN
+    took = time.monotonic() - started
+    assert took < NOTICED + MARGIN, f"stop() of an idle runner took {took:.2f} s"
 
 
 def test_an_unreachable_broker_is_reported_after_reconnect_timeout(db: Any) -> None:
