@@ -8,15 +8,16 @@ from typing import Any, overload
 
 import tenacity
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
-from sqlalchemy.orm import Session
 
-from ..db import sqlite
+from ..db import dialects
 from ..errors import PermanentError
 from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
+from .deduplicator import begin_checked
 from .handler_guard import HandlerCall, guard
+from .handler_kinds import check_awaitable, check_awaited, require_async
 from .ops import (
     Attempt,
     AttemptReport,
@@ -59,9 +60,14 @@ class AsyncDeduplicator(DeduplicatorSettings):
             observers=observers,
         )
         self.engine = engine
+        self.what = f"AsyncDeduplicator {consumer!r}"
+        dialects.require_transactional(engine.sync_engine, self.what)
         guard(engine.sync_engine)
+        bound = getattr(session_factory, "kw", {}).get("bind")  # an async_sessionmaker's engine
+        if isinstance(bound, AsyncEngine) and bound is not engine:
+            dialects.require_transactional(bound.sync_engine, f"{self.what}'s session_factory")
+            guard(bound.sync_engine)
         self.session_factory = session_factory or async_sessionmaker(engine, expire_on_commit=False)
-        self.on_sqlite = engine.dialect.name == "sqlite"
 
     @overload
     def handler(self, fn: AsyncHandlerFn, /) -> AsyncDedupHandler: ...
@@ -82,8 +88,7 @@ class AsyncDedupHandler:
     """A wrapped coroutine handler: ``await handler(message)`` gives an Outcome."""
 
     def __init__(self, dedup: AsyncDeduplicator, fn: AsyncHandlerFn, claim_first: bool) -> None:
-        if not inspect.iscoroutinefunction(fn):
-            raise TypeError(f"{fn!r} must be an async def function taking (message, session)")
+        require_async(fn)
         self.dedup = dedup
         self.fn = fn
         self.pipeline: Pipeline = dedup.pipeline(claim_first)
@@ -131,7 +136,7 @@ class AsyncDedupHandler:
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
         reply: Any = None
         error: Exception | None = None
-        begin = self.dedup.on_sqlite
+        begin = True
         while True:
             try:
                 op = attempt.send(reply) if error is None else attempt.throw(error)
@@ -141,7 +146,7 @@ class AsyncDedupHandler:
             try:
                 if begin:  # however the session was made; a failure here is the first op's
                     begin = False
-                    await session.run_sync(_begin_immediate)
+                    await session.run_sync(begin_checked, self.dedup.what)
                 reply = await self._carry_out(op, session)
             except Exception as exc:
                 error = exc
@@ -163,7 +168,12 @@ class AsyncDedupHandler:
         call = HandlerCall(session.sync_session, connection)
         try:
             with handler_code():
-                await self.fn(message, session)
+                returned = self.fn(message, session)
+            check_awaitable(self.fn, returned)  # outside handler_code: a setup fault
+            with handler_code():
+                result = await returned
+            check_awaited(self.fn, result)
+            with handler_code():
                 await session.flush()  # a pending ORM write fails now, charged to its own message
         finally:
             call.finish()
@@ -179,7 +189,3 @@ class AsyncDedupHandler:
                 result = self.dedup.dead_letter_failed(result, exc)
         self.dedup.account(result)
         return result
-
-
-def _begin_immediate(session: Session) -> None:
-    sqlite.begin_immediate(session.connection())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
@@ -10,13 +9,14 @@ import tenacity
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..db import sqlite
-from ..errors import ConfigurationError, PermanentError
+from ..db import dialects, sqlite
+from ..errors import PermanentError
 from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .handler_guard import HandlerCall, guard
+from .handler_kinds import check_returned, require_blocking
 from .ops import (
     Attempt,
     AttemptReport,
@@ -31,8 +31,6 @@ from .pipeline import Batch, Pipeline
 from .settings import DeduplicatorSettings, Observer
 
 HandlerFn = Callable[[Message, Session], Any]
-
-_ASYNC_HANDLER = "{!r} is a coroutine function: wrap it with AsyncDeduplicator, not Deduplicator"
 
 
 class Deduplicator(DeduplicatorSettings):
@@ -62,9 +60,14 @@ class Deduplicator(DeduplicatorSettings):
             observers=observers,
         )
         self.engine = engine
+        self.what = f"Deduplicator {consumer!r}"
+        dialects.require_transactional(engine, self.what)
         guard(engine)
+        bound = getattr(session_factory, "kw", {}).get("bind")  # a sessionmaker's own engine
+        if isinstance(bound, Engine) and bound is not engine:
+            dialects.require_transactional(bound, f"{self.what}'s session_factory")
+            guard(bound)
         self.session_factory = session_factory or sessionmaker(engine, expire_on_commit=False)
-        self.on_sqlite = engine.dialect.name == "sqlite"
 
     @overload
     def handler(self, fn: HandlerFn, /) -> DedupHandler: ...
@@ -85,8 +88,7 @@ class DedupHandler:
     """A wrapped handler: call it with a Message, get an Outcome."""
 
     def __init__(self, dedup: Deduplicator, fn: HandlerFn, claim_first: bool) -> None:
-        if inspect.iscoroutinefunction(fn):
-            raise ConfigurationError(_ASYNC_HANDLER.format(fn))
+        require_blocking(fn)
         self.dedup = dedup
         self.fn = fn
         self.pipeline: Pipeline = dedup.pipeline(claim_first)
@@ -132,7 +134,7 @@ class DedupHandler:
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
         reply: Any = None
         error: Exception | None = None
-        begin = self.dedup.on_sqlite
+        begin = True
         while True:
             try:
                 op = attempt.send(reply) if error is None else attempt.throw(error)
@@ -142,7 +144,7 @@ class DedupHandler:
             try:
                 if begin:  # however the session was made; a failure here is the first op's
                     begin = False
-                    sqlite.begin_immediate(session.connection())
+                    begin_checked(session, self.dedup.what)
                 reply = self._carry_out(op, session)
             except Exception as exc:
                 error = exc
@@ -163,9 +165,7 @@ class DedupHandler:
         try:
             with handler_code():
                 returned = self.fn(message, session)
-            if inspect.iscoroutine(returned):  # an async callable that is no coroutine function
-                returned.close()
-                raise ConfigurationError(_ASYNC_HANDLER.format(self.fn))
+            check_returned(self.fn, returned)  # outside handler_code: a setup fault
             with handler_code():
                 session.flush()  # a pending ORM write fails now, charged to its own message
         finally:
@@ -180,3 +180,11 @@ class DedupHandler:
                 result = self.dedup.dead_letter_failed(result, exc)
         self.dedup.account(result)
         return result
+
+
+def begin_checked(session: Session, what: str) -> None:
+    """Before our first statement, on the connection the session really uses: a real
+    transaction (BEGIN IMMEDIATE on SQLite), on a supported driver, not in autocommit."""
+    connection = session.connection()
+    sqlite.begin_immediate(connection)
+    dialects.require_transaction(connection, what)

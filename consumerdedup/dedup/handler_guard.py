@@ -7,20 +7,26 @@ idioms break that silently: catching a database error and going on
 raising nothing; SQLite's ON CONFLICT ROLLBACK ends it, and later statements
 then commit one by one), and ending the transaction (``session.commit()``,
 ``rollback()``, ``close()``, a COMMIT or ROLLBACK sent as SQL). Commits and
-transaction-control SQL are refused while a handler runs; everything else is
-caught when it returns and reported with the error the handler swallowed.
-Not caught: the raw DB-API connection's own ``commit()``/``rollback()``.
+transaction-control SQL are refused while a handler runs, whatever its
+spelling (db.control_sql); after every statement the driver's own transaction
+state is read, so a statement that ended the transaction anyway is caught at
+that statement; everything else is caught when the handler returns and
+reported with the error the handler swallowed. The guard is installed on the
+engine of the connection the handler really uses, whatever engine its
+session was made from. Not refused in advance: the raw DB-API connection's
+own ``commit()``/``rollback()`` (caught when the handler returns).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.orm import Session, SessionTransaction
 
+from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, TransactionBroken, describe
 
 _HANDLER_RUNNING = "consumerdedup.handler_running"
@@ -33,10 +39,7 @@ _NO_COMMIT = (
     "the pipeline commits the handler's writes together with the dedup record, so a "
     "handler must not commit"
 )
-_CONTROL = re.compile(
-    r"\s*(COMMIT|END|ABORT|BEGIN|START\s+TRANSACTION|PREPARE\s+TRANSACTION|ROLLBACK(?!\s+TO\b))\b",
-    re.IGNORECASE,
-)
+_COMMITS = ("COMMIT", "END", "COMMIT PREPARED", "PREPARE TRANSACTION")
 
 
 @event.listens_for(Session, "before_commit")
@@ -47,11 +50,18 @@ def _refuse_commit(session: Session) -> None:
 
 
 def guard(engine: Engine) -> None:
-    """Watch the engine's connections while handlers run on them (once per engine)."""
+    """Watch the engine's connections while handlers run on them (once per engine).
+
+    An engine made by ``execution_options()`` shares its parent's listeners: the
+    root engine is the one guarded, so that no statement is checked twice.
+    """
+    while isinstance(engine, OptionEngine):
+        engine = engine._proxied
     if getattr(engine, _GUARDED, False):
         return
     event.listen(engine, "handle_error", _on_error)
     event.listen(engine, "before_cursor_execute", _before_statement)
+    event.listen(engine, "after_cursor_execute", _after_statement)
     event.listen(engine, "commit", _on_commit)
     setattr(engine, _GUARDED, True)
 
@@ -71,13 +81,23 @@ def _before_statement(conn: Connection, _cursor: Any, statement: str, *_args: An
     ended = conn.info.get(_ENDED)
     if ended:  # SQLite would run what follows outside any transaction, committing it at once
         raise TransactionBroken(f"{ended}; the handler went on with more statements: {_ADVICE}")
-    control = _CONTROL.match(statement)
-    if control:
-        word = control.group(1).upper()
+    word = transaction_control(statement, conn.dialect.name)
+    if word:
         conn.info[_ENDED] = f"the handler sent {word}"
-        if word in ("COMMIT", "END"):
+        if word in _COMMITS:
             raise CommitInHandler(f"the handler sent {word}: {_NO_COMMIT}")
         raise TransactionBroken(f"the handler sent {word}: the pipeline owns the transaction")
+
+
+def _after_statement(conn: Connection, *_args: Any) -> None:
+    # Whatever got past the text check: the driver says the transaction is over. Later
+    # statements would run outside it (each committing at once), so stop at this one.
+    if conn.info.get(_HANDLER_RUNNING) and _driver_state(conn) == "ended":
+        conn.info[_ENDED] = "a statement of the handler ended the transaction"
+        raise TransactionBroken(
+            "a statement of the handler ended the transaction: the pipeline must commit the "
+            "handler's writes with the dedup record"
+        )
 
 
 def _on_commit(conn: Connection) -> None:
@@ -94,6 +114,7 @@ class HandlerCall:
     """
 
     def __init__(self, session: Session, connection: Connection) -> None:
+        guard(connection.engine)  # the engine this session really uses, not only the one given
         self.session = session
         self.connection = connection
         self.transaction: SessionTransaction | None = session.get_transaction()
@@ -136,13 +157,15 @@ class HandlerCall:
 
 
 def _driver_state(connection: Connection) -> str:
-    """``open``, ``aborted`` or ``ended``, from the driver without a round trip."""
+    """``open``, ``aborted`` or ``ended``, from the driver without a round trip.
+
+    Only drivers that tell are accepted (db.dialects.require_driver); should
+    another reach here anyway, its silence reads as ``ended``, never as healthy.
+    """
     driver_connection = connection.connection.driver_connection
     info = getattr(driver_connection, "info", None)
     status = getattr(info, "transaction_status", None)
     if status is not None:  # psycopg: IDLE 0, ACTIVE 1, INTRANS 2, INERROR 3, UNKNOWN 4
         return {2: "open", 1: "open", 3: "aborted"}.get(int(status), "ended")
-    in_transaction = getattr(driver_connection, "in_transaction", None)
-    if in_transaction is False:  # sqlite3 and aiosqlite: SQLite rolled back on its own
-        return "ended"
-    return "open"
+    # sqlite3 and aiosqlite: False once SQLite rolled back on its own (ON CONFLICT ROLLBACK)
+    return "open" if getattr(driver_connection, "in_transaction", None) is True else "ended"
