@@ -1,0 +1,64 @@
+"""A handler whose body did not run stops the runner and loses nothing (issue 17 item 5).
+
+A setup fault, not the message's failure (DESIGN invariant 8): no record, no
+dead letter, and the broker still holds every message for the fixed handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from consumerdedup import AsyncDeduplicator, ConfigurationError, Deduplicator, Message
+from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from tests.conftest import Database
+from tests.core.test_pipeline_attacks import create_ledger, effects
+
+
+def body(ledger: str) -> Any:
+    def run_later(message: Message, session: Any) -> Iterator[None]:
+        session.execute(text(f"INSERT INTO {ledger} (message_id) VALUES (:m)"), {"m": message.id})
+        yield
+
+    return run_later
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_handler_that_hands_back_unrun_work_stops_the_runner_and_keeps_the_messages(
+    db: Database, kind: str
+) -> None:
+    ledger = create_ledger(db)
+    later = body(ledger)
+    engine = db.async_engine() if kind == "async" else None
+    if kind == "sync":
+        dedup: Any = Deduplicator(db.engine, "c", tables=db.tables)
+
+        @dedup.handler
+        def handle(message: Message, session: Any) -> Any:
+            return later(message, session)  # a wrapper that forgot to run what it wraps
+    else:
+        dedup = AsyncDeduplicator(engine, "c", tables=db.tables)  # type: ignore[arg-type]
+
+        @dedup.handler
+        async def handle(message: Message, session: Any) -> Any:  # type: ignore[misc]
+            return later(message, session)
+
+    broker = MemoryBroker()
+    for i in range(3):
+        broker.publish("orders", b"{}", message_id=f"m{i}")
+    runner = MemoryConsumerRunner(broker, "orders", handle, batch_size=2)
+    try:
+        with pytest.raises(ConfigurationError, match="body did not run"):
+            runner.run(until_idle=True)
+    finally:
+        if engine is not None:
+            asyncio.run(engine.dispose())
+    assert effects(db, ledger) == []
+    with db.engine.connect() as conn:
+        assert conn.execute(db.tables.processed_events.select()).all() == []
+    assert broker.held("orders") == 3, "every message is still there for the fixed handler"
+    assert broker.messages("orders.dlq") == []
