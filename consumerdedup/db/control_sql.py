@@ -19,8 +19,11 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+_WORDS = ("COMMIT", "END", "ABORT", "ROLLBACK", "BEGIN", "START", "PREPARE")
 _ANY_WORD = re.compile(r"\b(?:COMMIT|END|ABORT|ROLLBACK|BEGIN|START|PREPARE)\b", re.IGNORECASE)
 _WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9$]*")
+_PLAIN = re.compile(r"[^;'\"\-/$`\[]+")
+"""A run of characters that cannot start a statement break, a comment or a quote."""
 _NAME_CHAR = re.compile(r"[A-Za-z_0-9$\u0080-\uffff]")
 _DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\u0080-\uffff][A-Za-z_0-9\u0080-\uffff]*)?\$")
 
@@ -69,8 +72,9 @@ def transaction_control(sql: str, dialect: str) -> str | None:
     Savepoints (SAVEPOINT, RELEASE, ROLLBACK TO) are not control: they nest
     inside the transaction. An unknown dialect is read every known way.
     """
-    if not _ANY_WORD.search(sql):  # the common case: no such word anywhere in the text
-        return None
+    upper = sql.upper()
+    if not any(word in upper for word in _WORDS) or not _ANY_WORD.search(sql):
+        return None  # the common case: no such word anywhere in the text
     readings = _READINGS.get(dialect) or tuple(r for rs in _READINGS.values() for r in rs)
     for reading in readings:
         for words in _statement_heads(sql, reading):
@@ -102,6 +106,10 @@ def _statement_heads(sql: str, reading: _Reading) -> Iterator[list[str]]:
     head = True  # still reading the statement's leading words
     i, n = 0, len(sql)
     while i < n:
+        if not head and (plain := _PLAIN.match(sql, i)):  # past the head: jump to what matters
+            i = plain.end()
+            if i >= n:
+                break
         c = sql[i]
         if c == ";":
             yield words
