@@ -5,7 +5,9 @@ older than now - (retention + buffer) for its consumer; a row exactly at that
 cutoff is kept. A range-partitioned processed_events loses whole partitions
 first: those whose every row is past every consumer's cutoff. Published
 outbox rows go once older than ``outbox_keep``; unpublished ones are never
-touched. Each batch (``batch_size`` rows) is its own short transaction. On
+touched. HTTP idempotency keys go once past the expiry stored with each, or
+older than ``idempotency_keep`` (see prune/idempotency.py); a claim in flight
+never goes while its lease holds. Each batch (``batch_size`` rows) is its own short transaction. On
 PostgreSQL one pruner works at a time per table (a session advisory lock
 held for the round; the others skip the round and say so); on SQLite the
 database's write lock serializes the batches instead.
@@ -31,6 +33,7 @@ from ..errors import ConfigurationError, describe
 from ..lifecycle import StopSwitch
 from ..retry import Backoff
 from ..schema import DEFAULT, Tables, utcnow
+from .idempotency import EXPIRY, KeyCutoffs, KeyPruneStatements
 from .statements import EARLIEST, PruneStatements
 from .windows import UnknownConsumer, Window, check_window, default_buffer, plain, scoped
 
@@ -78,10 +81,12 @@ class PruneReport:
     """Partitions of processed_events dropped whole (dry run: that would be); their rows
     are counted in ``deleted``."""
     seconds: float = 0.0
+    idempotency_keys: int = 0
+    """Expired HTTP idempotency-key records."""
 
     @property
     def total(self) -> int:
-        return sum(self.deleted.values()) + self.outbox
+        return sum(self.deleted.values()) + self.outbox + self.idempotency_keys
 
 
 class Pruner(StopSwitch):
@@ -97,6 +102,9 @@ class Pruner(StopSwitch):
     ``buffer`` defaults to max(1 day, 10% of each consumer's retention).
     Each batch of ``batch_size`` rows is a transaction; ``batch_pause`` between
     batches leaves more of the database to the consumers on a busy server.
+    ``idempotency_keep``: EXPIRY (the default) deletes the HTTP idempotency keys
+    past the expiry stored with each; a timedelta also those created longer ago;
+    None leaves that table alone.
     """
 
     def __init__(
@@ -108,6 +116,7 @@ class Pruner(StopSwitch):
         windows: Mapping[str, Window] | None = None,
         consumers: Iterable[str] | None = None,
         outbox_keep: timedelta | None = DEFAULT_OUTBOX_KEEP,
+        idempotency_keep: timedelta | str | None = EXPIRY,
         tables: Tables = DEFAULT,
         batch_size: int = DEFAULT_BATCH,
         batch_pause: timedelta = timedelta(0),
@@ -141,6 +150,10 @@ class Pruner(StopSwitch):
         self.consumers = selected
         self.windows = own
         self.outbox_keep = check_window(outbox_keep, "outbox_keep")
+        if idempotency_keep is not None and idempotency_keep != EXPIRY:
+            check_window(idempotency_keep, f"idempotency_keep (or {EXPIRY!r}, or None)")
+        self.idempotency_keep = idempotency_keep
+        """EXPIRY, a timedelta, or None (idempotency keys left alone)."""
         self.engine = engine
         self.tables = tables
         self.batch_size = batch_size
@@ -152,6 +165,11 @@ class Pruner(StopSwitch):
         self.partitions = DayPartitions(tables.processed_events) if self.postgres else None
         self.statements = PruneStatements(
             tables, engine.dialect.name, named, others=self.keep_others is not None
+        )
+        self.key_statements = (
+            None
+            if idempotency_keep is None
+            else KeyPruneStatements(tables.idempotency_keys, engine.dialect.name)
         )
         self.last: PruneReport | None = None
 
@@ -171,7 +189,11 @@ class Pruner(StopSwitch):
         with self.engine.connect() as conn:
             if self.dry_run:
                 report = self._count(conn, params, outbox_cutoff, shown)
-                report = replace(report, partitions=self._expired_partitions(conn, cutoffs, others))
+                report = replace(
+                    report,
+                    partitions=self._expired_partitions(conn, cutoffs, others),
+                    idempotency_keys=self._count_keys(conn, now),
+                )
             elif self.postgres and not self._lock(conn):
                 logger.info(
                     "another pruner holds the lock on %s: skipping this round",
@@ -183,11 +205,17 @@ class Pruner(StopSwitch):
                     deleted, dropped = self._drop_partitions(conn, now, cutoffs, others, started)
                     deleted += self._delete_events(conn, params, started, sum(deleted.values()))
                     outbox = self._delete_outbox(conn, outbox_cutoff, started)
+                    keys = self._delete_keys(conn, now, started)
                 finally:
                     if self.postgres:
                         self._unlock(conn)
                 report = PruneReport(
-                    deleted, outbox, shown, stopped=self.stopping, partitions=tuple(dropped)
+                    deleted,
+                    outbox,
+                    shown,
+                    stopped=self.stopping,
+                    partitions=tuple(dropped),
+                    idempotency_keys=keys,
                 )
         report = replace(report, seconds=time.monotonic() - started)
         self._log(report)
@@ -375,6 +403,39 @@ class Pruner(StopSwitch):
             self._breathe()
         return deleted
 
+    def _key_cutoffs(self, now: datetime) -> KeyCutoffs:
+        keep = self.idempotency_keep
+        return KeyCutoffs.at(now, keep if isinstance(keep, timedelta) else None)
+
+    def _key_table(self, conn: Connection) -> KeyPruneStatements | None:
+        statements = self.key_statements
+        if statements is None or not statements.exists(conn):
+            return None  # left alone, or a database from before idempotency keys existed
+        conn.commit()  # the look-up's transaction; each batch is one of its own
+        return statements
+
+    def _delete_keys(self, conn: Connection, now: datetime, started: float) -> int:
+        statements = self._key_table(conn)
+        if statements is None:
+            return 0
+        cutoffs, deleted = self._key_cutoffs(now), 0
+        table = self.tables.idempotency_keys.fullname
+        for kind in statements.kinds:
+            while not self.stopping:
+                with sqlite.transaction(conn):
+                    count = statements.delete_batch(conn, cutoffs, self.batch_size, kind)
+                deleted += count
+                if count:  # most rounds find none: no progress line for an empty look
+                    self._tell(table, deleted, started)
+                if count < self.batch_size:
+                    break
+                self._breathe()
+        return deleted
+
+    def _count_keys(self, conn: Connection, now: datetime) -> int:
+        statements = self._key_table(conn)
+        return 0 if statements is None else statements.count(conn, self._key_cutoffs(now))
+
     def _breathe(self) -> None:
         """Leave the database to the consumers between batches, if asked to; stop() wakes it."""
         if self.batch_pause > timedelta(0):
@@ -406,12 +467,14 @@ class Pruner(StopSwitch):
         verb = "would delete" if report.dry_run else "deleted"
         per = ", ".join(f"{c}={n}" for c, n in sorted(report.deleted.items())) or "none"
         logger.info(
-            "%s %d processed_events rows (%s)%s and %d published outbox rows in %.1fs%s",
+            "%s %d processed_events rows (%s)%s, %d published outbox rows and %d expired "
+            "idempotency keys in %.1fs%s",
             verb,
             sum(report.deleted.values()),
             per,
             f", {len(report.partitions)} partitions whole" if report.partitions else "",
             report.outbox,
+            report.idempotency_keys,
             report.seconds,
             " (stopped early)" if report.stopped else "",
         )
