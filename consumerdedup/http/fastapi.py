@@ -9,8 +9,8 @@ Session (or AsyncSession), which the middleware commits with the stored
 response. Needs the ``fastapi`` extra.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads these signatures, whose
+# annotations name local dependencies.
 from dataclasses import replace
 from typing import Annotated, Any
 

@@ -56,6 +56,18 @@ def _begin(conn: Connection) -> None:
     dialects.require_transaction(conn, WHAT)
 
 
+def _begin_waiting(conn: Connection, wait: timedelta) -> None:
+    """SQLite's twin of lock_timeout: BEGIN IMMEDIATE waits at most ``wait`` for the write
+    lock (SQLITE_BUSY -> InFlight), not the connection's busy timeout, so twins blocked on
+    one key cannot tie up every worker thread while the first request needs one to finish."""
+    previous = conn.exec_driver_sql("PRAGMA busy_timeout").scalar_one()
+    conn.exec_driver_sql(f"PRAGMA busy_timeout = {int(lock_wait(wait).removesuffix('ms'))}")
+    try:
+        _begin(conn)
+    finally:
+        conn.exec_driver_sql(f"PRAGMA busy_timeout = {int(previous)}")
+
+
 class SqlStore:
     """IdempotencyStore and TransactionalStore over a blocking Engine."""
 
@@ -100,10 +112,13 @@ class SqlStore:
         self, session: Session, scope: str, key: str, fingerprint: str, wait: timedelta
     ) -> ClaimResult:
         conn = session.connection()
-        _begin(conn)
+        if conn.dialect.name == "sqlite":
+            _begin_waiting(conn, wait)
+        else:
+            _begin(conn)
         steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), None)
         if conn.dialect.name != "postgresql":
-            return _drive_sync(conn, steps)  # SQLite: BEGIN IMMEDIATE waited (busy timeout)
+            return _drive_sync(conn, steps)
         swap = self.statements.swap_lock_timeout
         previous = conn.execute(swap, {"value": lock_wait(wait)}).scalar_one()
         result = _drive_sync(conn, steps)
@@ -167,7 +182,10 @@ class AsyncSqlStore:
         self, session: AsyncSession, scope: str, key: str, fingerprint: str, wait: timedelta
     ) -> ClaimResult:
         conn = await session.connection()
-        await conn.run_sync(_begin)
+        if conn.dialect.name == "sqlite":
+            await conn.run_sync(_begin_waiting, wait)
+        else:
+            await conn.run_sync(_begin)
         steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), None)
         if conn.dialect.name != "postgresql":
             return await _drive_async(conn, steps)

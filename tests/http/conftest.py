@@ -1,0 +1,167 @@
+"""The servers the shared HTTP suite (test_idempotency.py) runs against.
+
+SERVERS lists them; each entry says how to start one (a module-scoped
+process, restartable for the SIGKILL tests) and which database to count in.
+To add a store or a server (Redis, WSGI), append a ServerKind whose app
+serves the routes tests/http/asgi_apps.py documents.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, create_engine, text
+
+from consumerdedup.schema import install
+from tests.http.asgi_apps import count_runs, tables_for
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ServerKind:
+    name: str
+    database: str  # "postgresql" or "sqlite"
+    env: dict[str, str] = field(default_factory=dict)
+    command: Callable[[int], list[str]] | None = None
+    """argv for a server on this port; default: uvicorn with tests.http.asgi_apps:make_app."""
+    transactional: bool = True
+    """Serves /tx/payments (SQL stores only)."""
+
+
+def uvicorn(port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "uvicorn", "--factory", "tests.http.asgi_apps:make_app",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log",
+    ]  # fmt: skip
+
+
+SERVERS: list[ServerKind] = [
+    ServerKind("fastapi-postgresql-async", "postgresql", {"CDD_HTTP_FRAMEWORK": "fastapi",
+                                                         "CDD_HTTP_ASYNC": "1"}),
+    ServerKind("raw-postgresql-sync", "postgresql", {"CDD_HTTP_FRAMEWORK": "raw"}),
+    ServerKind("fastapi-sqlite-sync", "sqlite", {"CDD_HTTP_FRAMEWORK": "fastapi"}),
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """A server process over one database; ``runs(route)`` counts the endpoint's runs there."""
+
+    def __init__(self, kind: ServerKind, url: str, schema: str, markers: Path) -> None:
+        self.kind = kind
+        self.db_url = url
+        self.schema = schema
+        self.markers = markers
+        self.tables, self.runs_table = tables_for(schema)
+        self.engine: Engine = create_engine(url)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.port = free_port()
+        env = {**os.environ, **self.kind.env, "CDD_HTTP_DB": self.db_url}
+        env |= {"CDD_HTTP_SCHEMA": self.schema, "CDD_HTTP_MARKERS": str(self.markers)}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        argv = (self.kind.command or uvicorn)(self.port)
+        self.process = subprocess.Popen(argv, env=env, cwd=ROOT)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.kind.name} server exited with {self.process.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)  # polling a port that is not open yet, bounded by the deadline
+        raise RuntimeError(f"{self.kind.name} server did not answer within {START_TIMEOUT} s")
+
+    def kill(self) -> None:
+        """SIGKILL: the worker dies mid-request with no cleanup of any kind."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def runs(self, route: str, note: str | None = None) -> int:
+        return count_runs(self.engine, self.runs_table, route, note)
+
+    def count(self, sql: str) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(text(sql)).scalar_one())
+
+    def qualified(self, name: str) -> str:
+        return f"{self.schema}.{name}" if self.schema else name
+
+
+@pytest.fixture(scope="module", params=SERVERS, ids=lambda k: k.name)
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    kind: ServerKind = request.param
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind.database == "sqlite":
+            url, schema = f"sqlite:///{tmp}/http.db", ""
+            with create_engine(url).connect() as conn:
+                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        else:
+            url = request.getfixturevalue("postgres_url")
+            schema = f"h_{uuid.uuid4().hex[:12]}"
+        markers = Path(tmp) / "markers"
+        markers.mkdir()
+        server = Server(kind, url, schema, markers)
+        install(server.engine, server.tables)
+        server.runs_table.create(server.engine)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+            if schema:
+                with server.engine.begin() as conn:
+                    conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            server.engine.dispose()
+
+
+def new_key() -> str:
+    return uuid.uuid4().hex
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
