@@ -4,6 +4,9 @@ The window comes from ``--retention``, or from the broker (``--kafka`` with
 ``--topics``: retention.ms; ``--rabbitmq`` with ``--queues``: the message
 TTL); a broker that does not say is a usage error asking for --retention.
 A broker's window applies only to the consumers named with ``--consumer``.
+HTTP idempotency keys go once past the expiry stored with each (or, with
+``--idempotency-keep``, once older than that); ``--idempotency-keep off``
+leaves them alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from urllib.parse import urlsplit
 
 from .. import durations
 from ..errors import ConfigurationError, describe
+from ..prune.idempotency import EXPIRY
 from ..prune.pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
 from ..prune.windows import BrokerRetention, RetentionUnknown, UnknownConsumer
 from .common import CommandError, UsageError, open_database, require_tables
@@ -70,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"keep published outbox rows this long; 'off': leave them (default {keep})",
     )
     parser.add_argument(
+        "--idempotency-keep",
+        metavar="DURATION",
+        default=EXPIRY,
+        help=f"HTTP idempotency keys: '{EXPIRY}' (default) deletes those past the expiry "
+        "stored with each; a DURATION also those created longer ago; 'off': leave them",
+    )
+    parser.add_argument(
         "--batch-size",
         metavar="N",
         type=int,
@@ -107,6 +118,20 @@ def _duration(text: str | None, option: str) -> timedelta | None:
         return durations.parse(text, option)
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
+
+
+def _idempotency_keep(text: str) -> timedelta | str | None:
+    chosen = text.strip().lower()
+    if chosen == "off":
+        return None
+    if chosen == EXPIRY:
+        return EXPIRY
+    if chosen in durations.FOREVER:
+        raise UsageError(
+            f"--idempotency-keep {text!r}: keys are kept until their stored expiry by default; "
+            "'off' leaves them all"
+        )
+    return _duration(text, "--idempotency-keep")
 
 
 def _windows(entries: list[str] | None) -> dict[str, timedelta | None]:
@@ -178,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     every = _duration(args.every, "--every")
     off = args.outbox_keep.strip().lower() == "off"
     outbox_keep = None if off else _duration(args.outbox_keep, "--outbox-keep")
+    idempotency_keep = _idempotency_keep(args.idempotency_keep)
     windows = _windows(args.window)
     batch_pause = _duration(args.batch_pause, "--batch-pause") or timedelta(0)
     every_batch = args.progress_every.strip() in ("0", "0s")
@@ -202,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
             windows=windows,
             consumers=consumers,
             outbox_keep=outbox_keep,
+            idempotency_keep=idempotency_keep,
             tables=tables,
             batch_size=args.batch_size,
             batch_pause=batch_pause,
@@ -229,6 +256,14 @@ def _plan(pruner: Pruner, buffer: timedelta | None) -> str:
         parts.append(f"{others} {render(pruner.keep_others)}")
     outbox = pruner.outbox_keep
     tail = "outbox left alone" if outbox is None else f"published outbox rows {render(outbox)}"
+    keep = pruner.idempotency_keep
+    if keep is None:
+        tail += "; idempotency keys left alone"
+    elif keep == EXPIRY:
+        tail += "; idempotency keys past their stored expiry"
+    else:
+        assert isinstance(keep, timedelta)
+        tail += f"; idempotency keys past their expiry or older than {render(keep)}"
     basis = "" if buffer else ", buffer max(1d, 10%)"
     return f"deleting what is older than retention + buffer{basis}: {', '.join(parts)}; {tail}"
 
@@ -244,7 +279,9 @@ def _print_report(pruner: Pruner, report: PruneReport) -> None:
     line = f"{verb} {count:,} rows from {events}" + (f" ({per})" if per else "")
     if report.partitions:
         line += f", {len(report.partitions)} partitions whole ({', '.join(report.partitions)})"
-    line += f" and {report.outbox:,} published rows from {outbox} in {report.seconds:.1f}s"
+    keys = pruner.tables.idempotency_keys.fullname
+    line += f" and {report.outbox:,} published rows from {outbox}"
+    line += f", {report.idempotency_keys:,} expired keys from {keys} in {report.seconds:.1f}s"
     print(line + (" (stopped early)" if report.stopped else ""), flush=True)
 
 

@@ -1,4 +1,5 @@
-"""``consumerdedup stats``: per consumer, what was processed and failed; the outbox's backlog."""
+"""``consumerdedup stats``: per consumer, what was processed and failed; the outbox's backlog;
+the HTTP idempotency keys: live, in flight, and expired (what the next prune deletes)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import Any
 from sqlalchemy import Engine, Table, case, func, select
 
 from ..db.partitions import DayPartitions
+from ..prune.idempotency import IN_FLIGHT
 from ..schema import Tables
 from .common import open_database, require_tables
 from .redact import shown
 
+KEY_COLUMNS = ("live", "expired", "in_flight", "abandoned", "not_stored")
 NAME = "stats"
-HELP = "counts per consumer and of the outbox"
+HELP = "counts per consumer, of the outbox and of the HTTP idempotency keys"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +75,29 @@ def outbox_stats(engine: Engine, ob: Table) -> dict[str, Any]:
     }
 
 
+def key_stats(engine: Engine, ik: Table) -> dict[str, int]:
+    """Idempotency keys by what they are now (the same rules as the store and the pruner)."""
+    now = datetime.now(UTC)
+    flying = ik.c.state == IN_FLIGHT
+    lease_over = ik.c.locked_until <= now
+    query = select(
+        _count(~flying & (ik.c.expires_at > now)),
+        _count(~flying & (ik.c.expires_at <= now)),
+        _count(flying & ~lease_over),
+        _count(flying & lease_over),
+        _count(ik.c.state == "not_stored"),
+    )
+    with engine.connect() as conn:
+        live, expired, in_flight, abandoned, not_stored = conn.execute(query).one()
+    return {
+        "live": int(live),
+        "expired": int(expired),
+        "in_flight": int(in_flight),
+        "abandoned": int(abandoned),
+        "not_stored": int(not_stored),
+    }
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [list(headers), *[["-" if v is None else str(v) for v in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
@@ -91,12 +117,18 @@ def run(args: argparse.Namespace) -> int:
     require_tables(engine, tables)
     pe, ob = tables.processed_events, tables.outbox
     consumers, outbox = consumer_stats(engine, pe), outbox_stats(engine, ob)
+    ik = tables.idempotency_keys
+    keys = key_stats(engine, ik)
     days = _partition_stats(engine, tables)
     if args.json:
         processed: dict[str, Any] = {"table": pe.fullname, "consumers": consumers}
         if days is not None:
             processed["partitioned"] = days
-        report = {"processed_events": processed, "outbox": {"table": ob.fullname, **outbox}}
+        report = {
+            "processed_events": processed,
+            "outbox": {"table": ob.fullname, **outbox},
+            "idempotency_keys": {"table": ik.fullname, **keys},
+        }
         print(json.dumps({"database": shown(url), **report}, indent=2))
         return 0
     rows = [list(c.values()) for c in consumers]
@@ -119,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"\noutbox ({ob.fullname}):")
     headers = ["unpublished", "published", "failing (attempts > 0)", "oldest unpublished age"]
     print(_table(headers, [[*counts, None if age is None else _duration(age)]]))
+    print(f"\nidempotency keys ({ik.fullname}):")
+    headers = ["live", "expired (next prune)", "in flight", "abandoned (lease over)"]
+    headers.append("of them not stored")
+    print(_table(headers, [[keys[k] for k in KEY_COLUMNS]]))
     return 0
 
 
