@@ -42,6 +42,26 @@ _TRANSIENT_SQLITE = (
 )
 
 
+SETUP_SQLSTATES = ("42P01", "42703", "42501", "3F000", "25006")
+"""Undefined table, undefined column, insufficient privilege, no such schema, read-only:
+the deploy's fault, not the data's. Met by our own statements they stop the caller
+(ConfigurationError); met by a handler they are transient, never a message's permanent
+failure: once the migration lands or the rights are granted, the redelivery succeeds."""
+
+_SETUP_SQLITE = ("no such table", "no such column", "has no column named")
+"""SQLite's words for 42P01 and 42703 (its code is only the generic SQLITE_ERROR)."""
+
+
+def setup_fault(error: BaseException) -> bool:
+    """The database refused a statement because of its setup: see SETUP_SQLSTATES."""
+    orig = getattr(error, "orig", None) or error
+    if getattr(orig, "sqlstate", None) in SETUP_SQLSTATES:
+        return True
+    return getattr(orig, "sqlite_errorname", None) == "SQLITE_ERROR" and any(
+        words in str(orig) for words in _SETUP_SQLITE
+    )
+
+
 class ErrorKind(enum.Enum):
     PERMANENT = "permanent"
     TRANSIENT = "transient"
@@ -145,7 +165,7 @@ def _driver_kind(exc: sqlalchemy.exc.DBAPIError) -> ErrorKind:
     """By the database's own error code where it gives one, not by the DB-API class:
     psycopg calls "index row too large" an OperationalError, and so does sqlite3 for
     malformed JSON; retrying those forever would stall a stream."""
-    if exc.connection_invalidated:
+    if exc.connection_invalidated or setup_fault(exc):
         return ErrorKind.TRANSIENT
     sqlstate = getattr(exc.orig, "sqlstate", None)
     if sqlstate:

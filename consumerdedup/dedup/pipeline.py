@@ -73,6 +73,10 @@ class Batch:
     """At most this many items in the next transaction: halved while a failure names no culprit."""
     rounds: int = 0
     """Attempts so far: past a budget, whatever is undecided ends RETRY, come what may."""
+    spent: str | None = None
+    """The key whose attempts a transient failure used up: the next transient failure in
+    this batch ends what remains RETRY at once, so one outage costs one message's attempts,
+    not every message's in turn."""
 
 
 class Pipeline:
@@ -193,8 +197,11 @@ class Pipeline:
         self, batch: Batch, span: Sequence[_Item], culprit: _Item, exc: Exception
     ) -> AttemptReport:
         """The culprit runs alone from now on; what precedes it commits first, without waiting."""
+        if batch.spent is not None and self.policy.classify(exc) is ErrorKind.TRANSIENT:
+            self._give_up(batch, [culprit], exc)
+            return self._report(batch, backoff=False)
         culprit.blamed = True
-        self._note_failure(culprit, exc)
+        self._note_failure(batch, culprit, exc)
         before = span[: span.index(culprit)]
         first = not any(item.result is None for item in before)
         return self._report(batch, backoff=first and culprit.refused is None)
@@ -206,13 +213,33 @@ class Pipeline:
         the span (or an unreachable database would be retried forever); any other error
         halves the span until it names its culprit (a deferred constraint fails at COMMIT)."""
         undecided = [item for item in span if item.result is None]
-        if len(undecided) > 1 and self.policy.classify(exc) is not ErrorKind.TRANSIENT:
+        transient = self.policy.classify(exc) is ErrorKind.TRANSIENT
+        if len(undecided) > 1 and not transient:
             batch.limit = len(undecided) // 2
+            return self._report(batch, backoff=False)
+        if transient and batch.spent is not None:
+            self._give_up(batch, undecided, exc)
             return self._report(batch, backoff=False)
         for item in undecided:
             item.blamed = item.blamed or len(undecided) == 1
-            self._note_failure(item, exc)
+            self._note_failure(batch, item, exc)
         return self._report(batch, backoff=True)
+
+    @staticmethod
+    def _give_up(batch: Batch, failed: Sequence[_Item], exc: Exception) -> None:
+        """A transient failure again after one used up a message's attempts: the ``failed``
+        items end RETRY with it, and every undecided item behind the first of them ends
+        RETRY untried. What precedes them is left to commit."""
+        why = RetryLater(
+            f"not tried: {describe(exc)} already used up the attempts of "
+            f"{batch.spent!r} in this batch"
+        )
+        for item in failed:
+            item.attempts += 1
+            item.decide(Outcome.RETRY, exc)
+        for item in batch.items[batch.items.index(failed[0]) + 1 :]:
+            if item.result is None:
+                item.decide(Outcome.RETRY, why)
 
     def _report(self, batch: Batch, backoff: bool) -> AttemptReport:
         batch.rounds += 1
@@ -317,11 +344,13 @@ class Pipeline:
             item.decide(Outcome.DUPLICATE)
         return True
 
-    def _note_failure(self, item: _Item, exc: BaseException) -> None:
+    def _note_failure(self, batch: Batch, item: _Item, exc: BaseException) -> None:
         """Count a failed try: refuse the item for good, give up on it (RETRY), or try again."""
         item.attempts += 1
         kind = self.policy.classify(exc)
         exhausted = item.attempts >= self.policy.attempts
+        if exhausted and kind is ErrorKind.TRANSIENT:
+            batch.spent = batch.spent or item.key
         if item.refused is not None:  # its FAILED record did not commit
             if exhausted and kind is ErrorKind.TRANSIENT:
                 item.decide(Outcome.RETRY, exc)

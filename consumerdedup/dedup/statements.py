@@ -12,6 +12,7 @@ from sqlalchemy.sql.dml import Insert
 
 from ..db.dialects import require_supported
 from ..errors import ConfigurationError, describe
+from ..retry import setup_fault
 from ..schema import Tables
 from . import partitioned_statements
 
@@ -117,17 +118,10 @@ class Statements:
                 f"processed_events has no partition for this row ({text}): run install() "
                 "or `consumerdedup init-db --partitioned` to make the DEFAULT partition"
             )
-        sqlite_setup = getattr(orig, "sqlite_errorname", None) == "SQLITE_ERROR" and any(
-            words in str(orig) for words in ("no such table", "no such column")
-        )
-        if state in _SETUP_SQLSTATES or sqlite_setup:
+        if setup_fault(error):
             return ConfigurationError(
                 f"processed_events cannot be used as configured ({text}): check the tables "
                 "(install() or `consumerdedup init-db`), the role's rights and that the "
                 "database accepts writes"
             )
         return None
-
-
-_SETUP_SQLSTATES = ("42P01", "42703", "42501", "3F000", "25006")
-"""Undefined table, undefined column, insufficient privilege, no such schema, read-only."""

@@ -373,6 +373,7 @@ def expected_first_pass(
         DEFERRED: Outcome.FAILED,
     }
     held = False
+    spent = cut = False  # an outage used up one message's attempts; then it recurred
     leaders: dict[int, Result] = {}
     for i, (d, result) in enumerate(zip(drawn, results, strict=True)):
         got = result.outcome
@@ -391,9 +392,13 @@ def expected_first_pass(
             continue
         leaders[i] = result
         if d.behaviour == TRANSIENT:
-            want = Outcome.RETRY if d.times >= ATTEMPTS else Outcome.PROCESSED
+            want = Outcome.RETRY if d.times >= ATTEMPTS or spent else Outcome.PROCESSED
         else:
             want = base[d.behaviour]
+        if cut:  # the outage recurred after it used up one message's attempts: not tried
+            want = Outcome.RETRY
+        elif d.behaviour == TRANSIENT:
+            cut, spent = spent, spent or d.times >= ATTEMPTS
         if held:
             assert got is Outcome.RETRY and isinstance(result.error, HeldBack), where
             continue

@@ -25,7 +25,6 @@ from consumerdedup import (
     Result,
     RetryPolicy,
 )
-from consumerdedup.errors import HeldBack
 from tests.conftest import Database, database
 
 FAST = RetryPolicy(attempts=3, initial_delay=timedelta(0), max_delay=timedelta(0))
@@ -137,3 +136,153 @@ def test_a_handler_of_the_wrong_kind_is_still_a_setup_fault(sqlite_db: Database)
     with pytest.raises(ConfigurationError):
         handle.process_batch([order("m1"), order("m2")])
     assert records(sqlite_db) == {}
+
+
+# Item 11: a setup fault a handler meets is never its message's permanent failure.
+
+
+@pytest.mark.parametrize("missing", ["table", "column"])
+def test_a_handler_writing_where_the_migration_has_not_landed_is_retried_not_failed(
+    db: Database, flavor: Any, missing: str
+) -> None:
+    """The handler's own table (or column) does not exist yet: every message ends RETRY,
+    nothing is recorded or dead-lettered; once the migration lands, the redelivery is
+    processed."""
+    table = db.name("later")
+    if missing == "column":
+        with db.engine.begin() as conn:
+            conn.exec_driver_sql(f"CREATE TABLE {table} (message_id TEXT)")
+    dead: list[Result] = []
+    sql = f"INSERT INTO {table} (message_id, amount) VALUES (:m, 1)"
+    handle = flavor.wrap(lambda m: [(sql, {"m": m.id})], consumer="c", dead_letter=dead.append)
+    batch = [order(f"m{i}") for i in range(3)]
+    results = handle.process_batch(batch)
+    assert [r.outcome for r in results] == [Outcome.RETRY] * 3, [r.reason for r in results]
+    assert records(db) == {} and dead == []
+    with db.engine.begin() as conn:
+        if missing == "table":
+            conn.exec_driver_sql(f"CREATE TABLE {table} (message_id TEXT, amount INTEGER)")
+        else:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN amount INTEGER")
+    again = handle.process_batch(batch)
+    assert [r.outcome for r in again] == [Outcome.PROCESSED] * 3
+    assert {k: v[0] for k, v in records(db).items()} == {f"m{i}": "processed" for i in range(3)}
+    assert dead == []
+
+
+def _real_errors(db: Database) -> dict[str, BaseException]:
+    """The setup errors a handler can meet, raised by the real database."""
+    import sqlalchemy
+
+    caught: dict[str, BaseException] = {}
+
+    def catch(name: str, engine: Any, *statements: str) -> None:
+        try:
+            with engine.begin() as conn:
+                for statement in statements:
+                    conn.exec_driver_sql(statement)
+        except sqlalchemy.exc.DBAPIError as exc:
+            caught[name] = exc
+
+    table = db.name("present")
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {table} (a INTEGER)")
+    catch("no table", db.engine, f"INSERT INTO {db.name('absent')} VALUES (1)")
+    catch("no column", db.engine, f"INSERT INTO {table} (b) VALUES (1)")
+    if db.dialect == "postgresql":
+        catch(
+            "read-only", db.engine, "SET TRANSACTION READ ONLY", f"INSERT INTO {table} VALUES (1)"
+        )
+        role = f"cdd_{db.schema}"
+        catch(
+            "no rights",
+            db.engine,
+            f"CREATE ROLE {role}",
+            f"SET LOCAL ROLE {role}",
+            f"INSERT INTO {table} VALUES (1)",
+        )
+    else:
+        url = f"file:{db.url.removeprefix('sqlite:///')}?mode=ro"
+        readonly = sqlalchemy.create_engine("sqlite://", creator=lambda: _sqlite_ro(url))
+        catch("read-only", readonly, f"INSERT INTO {table} VALUES (1)")
+        readonly.dispose()
+    return caught
+
+
+def _sqlite_ro(url: str) -> Any:
+    import sqlite3
+
+    return sqlite3.connect(url, uri=True)
+
+
+def test_setup_errors_from_a_handler_are_transient_and_ours_stop_the_caller(
+    db: Database, tmp_path: Path
+) -> None:
+    """Each real setup error (42P01, 42703, 25006, 42501; SQLite's no such table / column,
+    read-only database) is transient when a handler meets it, and, but for SQLite's
+    read-only file (its lock or disk: retried), a ConfigurationError when ours do."""
+    from consumerdedup.dedup.statements import Statements
+    from consumerdedup.retry import ErrorKind
+
+    caught = _real_errors(db)
+    expected = {"no table", "no column", "read-only"} | (
+        {"no rights"} if db.dialect == "postgresql" else set()
+    )
+    assert set(caught) == expected
+    for name, error in caught.items():
+        assert RetryPolicy().classify(error) is ErrorKind.TRANSIENT, (name, error)
+        if not (db.dialect == "sqlite" and name == "read-only"):
+            assert isinstance(Statements.misconfigured(error), ConfigurationError), name
+
+
+# Item 12: the retry budget does not grow with the batch.
+
+
+def test_an_outage_costs_one_messages_attempts_not_the_whole_batchs(
+    db: Database, flavor: Any
+) -> None:
+    """Every handler raises TimeoutError (a dependency is down): the first message uses up
+    its attempts, the next one fails once, and the rest of the 100 are not tried."""
+    calls: list[str] = []
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        calls.append(message.id)
+        raise TimeoutError("the payments API did not answer")
+
+    policy = RetryPolicy(attempts=4, initial_delay=timedelta(0), max_delay=timedelta(0))
+    dead: list[Result] = []
+    handle = flavor.wrap(behavior, consumer="c", retry=policy, dead_letter=dead.append)
+    results = handle.process_batch([order(f"m{i}") for i in range(100)])
+    assert [r.outcome for r in results] == [Outcome.RETRY] * 100
+    assert len(calls) == policy.attempts + 1, f"{len(calls)} handler calls for one outage"
+    assert records(db) == {} and dead == []
+    assert "TimeoutError" in (results[0].reason or "")
+    assert "not tried" in (results[99].reason or "")
+
+
+def test_after_an_outage_used_up_the_attempts_what_precedes_the_next_failure_commits(
+    db: Database, flavor: Any
+) -> None:
+    ledger = create_ledger(db)
+    calls: list[str] = []
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        calls.append(message.id)
+        if message.id.startswith("t"):
+            raise TimeoutError("down")
+        return [(ledger_sql(ledger), {"m": message.id})]
+
+    handle = flavor.wrap(behavior, consumer="c", retry=FAST)
+    names = ["t0", "ok1", "ok2", "t3", "ok4"]
+    results = handle.process_batch([order(n) for n in names])
+    assert [r.outcome for r in results] == [
+        Outcome.RETRY,
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+        Outcome.RETRY,
+        Outcome.RETRY,
+    ]
+    assert effects(db, ledger) == ["ok1", "ok2"]
+    assert calls.count("t0") == FAST.attempts and calls.count("t3") == 1
+    assert "ok4" not in calls
+    assert set(records(db)) == {"ok1", "ok2"}
