@@ -14,7 +14,10 @@ which is what the tests count. Routes (POST unless said; principal = X-User):
   /big           a 2 MiB body in 4 chunks (over max_stored_body: not stored)
   /chunks        a body in 5 chunks, echoing the request body's sha256 and size
   /expiring      expiry 1 s               /lease    lease 1 s (for SIGKILL)
-  /wait          waits up to 5 s for an in-flight twin
+  /wait          waits up to 5 s for an in-flight twin; /tx/wait the same, transactional
+  /tx/commits    a transactional endpoint that commits the session itself (refused)
+  /small         max_request_body 1024
+CDD_HTTP_LOG: a file for the consumerdedup log lines (INFO).
   /patchable     POST and PATCH deduplicated; PATCH /payments passes through
   GET /payments  passes through
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -58,6 +62,9 @@ POLICY = IdempotencyPolicy.of(
         "/expiring": RoutePolicy(required=True, expiry=timedelta(seconds=1)),
         "/lease": RoutePolicy(required=True, lease=timedelta(seconds=1)),
         "/wait": RoutePolicy(required=True, wait=timedelta(seconds=5)),
+        "/tx/wait": RoutePolicy(required=True, transactional=True, wait=timedelta(seconds=5)),
+        "/tx/commits": RoutePolicy(required=True, transactional=True),
+        "/small": RoutePolicy(required=True, max_request_body=1024),
         "/patchable": RoutePolicy(methods=frozenset({"POST", "PATCH"})),
     }
 )
@@ -126,9 +133,9 @@ class Backend:
         return await asyncio.to_thread(write)
 
     async def record_in(
-        self, session: Session | AsyncSession, principal: str | None, note: str
+        self, session: Session | AsyncSession, route: str, principal: str | None, note: str
     ) -> int:
-        row = {"route": "tx/payments", "principal": principal, "note": note}
+        row = {"route": route, "principal": principal, "note": note}
         if isinstance(session, AsyncSession):
             result = await session.execute(insert(self.runs).values(row))
             await session.run_sync(lambda s: self.outbox.add(s, "payments", note.encode()))
@@ -140,6 +147,10 @@ class Backend:
             return int(result.inserted_primary_key[0])  # type: ignore[attr-defined]
 
         return await asyncio.to_thread(write)
+
+
+async def _commit_async(session: AsyncSession) -> None:
+    await session.commit()
 
 
 async def _read(receive: Any) -> bytes:
@@ -189,11 +200,17 @@ def make_raw(backend: Backend) -> Any:
             await _answer(send, 200, {"ok": True})
             return
         session = scope.get(SESSION_KEY)
-        if path == "/tx/payments":
+        if path.startswith("/tx/"):
             if session is None:
                 await _answer(send, 500, {"error": "no session"})
                 return
-            run = await backend.record_in(session, principal, note)
+            run = await backend.record_in(session, route, principal, note)
+            if path == "/tx/commits":  # refused: the middleware commits
+                await (
+                    _commit_async(session)
+                    if isinstance(session, AsyncSession)
+                    else asyncio.to_thread(session.commit)
+                )
         else:
             run = await backend.record(route, principal, note)
         if _header(scope, b"x-hang"):  # a header: not part of the fingerprint
@@ -260,6 +277,11 @@ async def _delegate(raw: Any, request: Request) -> Response:
 
 
 def make_app() -> Any:
+    if log_path := os.environ.get("CDD_HTTP_LOG"):
+        handler = logging.FileHandler(log_path)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+        logging.getLogger("consumerdedup").addHandler(handler)
+        logging.getLogger("consumerdedup").setLevel(logging.INFO)
     backend = Backend()
     raw = make_raw(backend)
     inner = (

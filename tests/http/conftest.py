@@ -71,6 +71,7 @@ class Server:
         self.db_url = url
         self.schema = schema
         self.markers = markers
+        self.log = markers.parent / "server.log"
         self.tables, self.runs_table = tables_for(schema)
         self.engine: Engine = create_engine(url)
         self.process: subprocess.Popen[bytes] | None = None
@@ -84,6 +85,7 @@ class Server:
         self.port = free_port()
         env = {**os.environ, **self.kind.env, "CDD_HTTP_DB": self.db_url}
         env |= {"CDD_HTTP_SCHEMA": self.schema, "CDD_HTTP_MARKERS": str(self.markers)}
+        env["CDD_HTTP_LOG"] = str(self.log)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         argv = (self.kind.command or uvicorn)(self.port)
         self.process = subprocess.Popen(argv, env=env, cwd=ROOT)

@@ -252,11 +252,13 @@ async def test_a_retry_holds_the_offset_at_that_record_and_nothing_behind_it_is_
     run = runner(kafka, ledger.handle, topic, retry_delay=pause, max_retry_delay=pause)
     task = asyncio.create_task(run.run(until_idle=True))
     # Nothing behind m-3 commits before it: the offset and the effects stop at m-3.
-    await wait_for(lambda: _true(refusals >= 6), "m-3 to be read again a few times")
+    # 6 reads 0.2 s apart: 15 s is ample, and a pause never lifted fails in 15 s, not 60.
+    await wait_for(lambda: _true(refusals >= 6), "m-3 to be read again a few times", 15)
     assert ledger.applied() == ids[:3]
     assert await topics.committed(group, topic) == {0: 3}
     ready.set()
-    await asyncio.wait_for(task, 60)
+    await wait_for(lambda: _true(task.done()), "run(until_idle=True) to end after m-3", 30)
+    await task
 
     assert ledger.applied() == ids  # in offset order
     assert await topics.committed(group, topic) == {0: 10}

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from consumerdedup import OutboxRelay, Outcome, RelayConfig
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner, RabbitPublisher
 from tests.contracts.outbox import RelayToBrokerContract
-from tests.support.outbox_events import Downstream, add_events
+from tests.support.outbox_events import Downstream, add_events, assert_drained
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.support.tcp_proxy import Proxy
 
@@ -78,13 +78,13 @@ def test_broker_away_for_seconds_the_relay_backs_off_then_publishes_everything(
     thread.start()
     try:
         first = add_events(pg, queue, 100, keys=5)
-        assert relay.wait_drained(60)
+        assert_drained(relay)
         proxy.cut()
         later = add_events(pg, queue, 100, keys=5)
         time.sleep(2)  # the broker is away this long; the relay must keep trying
         assert relay.backlog() > 0
         proxy.restore()
-        assert relay.wait_drained(60)
+        assert_drained(relay)
     finally:
         relay.stop()
         thread.join(30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +40,30 @@ def running(relays: Sequence[OutboxRelay]) -> Iterator[None]:
             relay.stop()
         for thread in threads:
             thread.join(30)
+
+
+STALL = 10.0
+"""Seconds a background relay may go without shrinking its backlog before a test calls it
+stuck (its rounds back off 0.5 s at most in these tests)."""
+
+
+def assert_drained(relay: OutboxRelay, timeout: float = 60.0, stall: float = STALL) -> None:
+    """Wait until the background ``relay`` has published every committed row; fail within
+    ``stall`` seconds of no progress (not after the whole ``timeout``), saying where it is."""
+    deadline = time.monotonic() + timeout
+    backlog, since = relay.backlog(), time.monotonic()
+    while backlog > 0:
+        relay.wait_drained(0.2)
+        now, left = time.monotonic(), relay.backlog()
+        if left != backlog:
+            backlog, since = left, now
+        stuck = now - since >= stall
+        if stuck or now >= deadline:
+            raise AssertionError(
+                f"the relay is {'stuck' if stuck else 'too slow'}: {backlog} rows left after "
+                f"{now - since:.0f} s without progress, {relay.published} published, "
+                f"parked {relay.parked()[:3]}"
+            )
 
 
 class Downstream:
