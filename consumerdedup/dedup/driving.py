@@ -5,9 +5,11 @@ delivery is usable). A refused delivery, or a message whose id cannot be a
 dedup key, never reaches the pipeline: it is FAILED through the handler's
 ``refuse``, so the log, the counters and the dead-letter hook hear of it with
 the reason the runner dead-letters it with. The rest go to ``process_batch``
-as one batch. A blocking runner drives an asyncio handler on an event loop of
-its own (BlockingDriver); an asyncio runner drives a blocking handler in a
-worker thread (AsyncDriver).
+as one batch, first: on an ordered source a refusal behind the first RETRY is
+RETRY too, as the pipeline holds back what is behind a retried message. A
+blocking runner drives an asyncio handler on an event loop of its own
+(BlockingDriver); an asyncio runner drives a blocking handler in a worker
+thread (AsyncDriver).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import asyncio
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ..errors import ConfigurationError, InvalidMessage
+from ..errors import ConfigurationError, HeldBack, InvalidMessage
 from ..message import Message, validate_id
-from ..outcome import Result
+from ..outcome import Outcome, Result
 from .async_deduplicator import AsyncDedupHandler
 from .deduplicator import DedupHandler
 
@@ -62,6 +64,33 @@ def split(delivered: Sequence[Delivered]) -> tuple[list[Refusal | None], list[Me
     return refusals, messages
 
 
+def held_back(
+    refusals: Sequence[Refusal | None], processed: Sequence[Result], ordered: bool
+) -> list[Refusal | Result | None]:
+    """On an ordered source, a refusal behind the first RETRY is RETRY too (HeldBack).
+
+    It is read again after that RETRY: refused now, it would be dead-lettered (and
+    counted) again on every re-read.
+    """
+    if not ordered:
+        return list(refusals)
+    slots: list[Refusal | Result | None] = []
+    results = iter(processed)
+    ahead: Message | None = None  # the first message to retry
+    for refusal in refusals:
+        if refusal is None:
+            result = next(results)
+            if ahead is None and result.outcome is Outcome.RETRY:
+                ahead = result.message
+            slots.append(None)
+        elif ahead is not None:
+            why = HeldBack(f"behind {ahead.id!r}, which is retried")
+            slots.append(Result(refusal[0], Outcome.RETRY, why))
+        else:
+            slots.append(refusal)
+    return slots
+
+
 def merged(refused: Sequence[Result | None], processed: Iterator[Result]) -> list[Result]:
     """The refusals' Results where they stand, the batch's Results in the other slots."""
     return [result if result is not None else next(processed) for result in refused]
@@ -78,8 +107,8 @@ class BlockingDriver:
     def process(self, delivered: Sequence[Delivered], *, ordered: bool = False) -> list[Result]:
         """One Result per delivery, in order: the refused ones FAILED, the rest one batch."""
         refusals, messages = split(delivered)
-        refused = [None if r is None else self._refuse(*r) for r in refusals]
         processed = self._batch(messages, ordered) if messages else []
+        refused = [self._settle(slot) for slot in held_back(refusals, processed, ordered)]
         return merged(refused, iter(processed))
 
     def close(self) -> None:
@@ -88,10 +117,14 @@ class BlockingDriver:
             self._loop.close()
             self._loop = None
 
-    def _refuse(self, message: Message, error: InvalidMessage) -> Result:
+    def _settle(self, slot: Refusal | Result | None) -> Result | None:
+        if slot is None or isinstance(slot, Result):
+            if slot is not None:
+                self.handler.dedup.account(slot)
+            return slot
         if isinstance(self.handler, AsyncDedupHandler):
-            return self._run(self.handler.refuse(message, error))
-        return self.handler.refuse(message, error)
+            return self._run(self.handler.refuse(*slot))
+        return self.handler.refuse(*slot)
 
     def _batch(self, messages: list[Message], ordered: bool) -> list[Result]:
         if isinstance(self.handler, AsyncDedupHandler):
@@ -116,14 +149,18 @@ class AsyncDriver:
     ) -> list[Result]:
         """One Result per delivery, in order: the refused ones FAILED, the rest one batch."""
         refusals, messages = split(delivered)
-        refused = [None if r is None else await self._refuse(*r) for r in refusals]
         processed = await self._batch(messages, ordered) if messages else []
+        refused = [await self._settle(slot) for slot in held_back(refusals, processed, ordered)]
         return merged(refused, iter(processed))
 
-    async def _refuse(self, message: Message, error: InvalidMessage) -> Result:
+    async def _settle(self, slot: Refusal | Result | None) -> Result | None:
+        if slot is None or isinstance(slot, Result):
+            if slot is not None:
+                self.handler.dedup.account(slot)
+            return slot
         if isinstance(self.handler, AsyncDedupHandler):
-            return await self.handler.refuse(message, error)
-        return await asyncio.to_thread(self.handler.refuse, message, error)
+            return await self.handler.refuse(*slot)
+        return await asyncio.to_thread(self.handler.refuse, *slot)
 
     async def _batch(self, messages: list[Message], ordered: bool) -> list[Result]:
         if isinstance(self.handler, AsyncDedupHandler):

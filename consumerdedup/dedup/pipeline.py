@@ -141,7 +141,11 @@ class Pipeline:
                 found = yield from self._lookup([item.key for item in unknown])
                 unknown = [item for item in unknown if not self._decide_recorded(item, found)]
             # Claim-first: a key neither claimed nor recorded was committed by a twin in
-            # between; it stays undecided and the next attempt looks again.
+            # between; it stays undecided and the next attempt looks again. On an ordered
+            # source nothing behind it may commit first: the whole span waits.
+            if self.claim_first and batch.ordered and any(i.refused is None for i in unknown):
+                yield Rollback()
+                return self._report(batch, backoff=False)
             if self.claim_first:
                 fresh = [item for item in runnable if item.key in claimed]
             else:
@@ -268,16 +272,26 @@ class Pipeline:
                 item.decide(Outcome.RETRY, HeldBack(f"behind {ahead.key!r}, which is retried"))
 
     def finish(self, batch: Batch) -> list[Result]:
-        """One Result per message, in the order given; followers take their leader's fate."""
+        """One Result per message, in the order given; followers take their leader's fate.
+
+        Ordered: a message refused at the start (an unusable id) behind the first RETRY
+        is RETRY too, or it would be dead-lettered again each time it is read again.
+        """
         results: list[Result] = []
+        ahead: Message | None = None
         for slot in batch.slots:
             if isinstance(slot, Result):
+                if batch.ordered and ahead is not None:
+                    why = HeldBack(f"behind {ahead.id!r}, which is retried")
+                    slot = Result(slot.message, Outcome.RETRY, why)
                 results.append(slot)
                 continue
             assert slot.result is not None, "finish() before every item was decided"
             results.append(slot.result)
             for follower in slot.followers:
                 follower.result = self._follow(slot.result, follower)
+            if ahead is None and slot.result.outcome is Outcome.RETRY:
+                ahead = slot.message
         return results
 
     def _insert(

@@ -286,3 +286,90 @@ def test_after_an_outage_used_up_the_attempts_what_precedes_the_next_failure_com
     assert calls.count("t0") == FAST.attempts and calls.count("t3") == 1
     assert "ok4" not in calls
     assert set(records(db)) == {"ok1", "ok2"}
+
+
+# Item 13 (a): on an ordered source, nothing behind the first RETRY is reported decided.
+
+
+def handle_of(
+    flavor: Any, work: Work, awaited: Callable[[Message, Any], Any], **options: Any
+) -> Any:
+    options.setdefault("consumer", "c")
+    options.setdefault("retry", FAST)
+    dedup = flavor.deduplicator(**options)
+    return dedup.handler(claim_first=flavor.claim_first)(work if flavor.name == "sync" else awaited)
+
+
+def drive(flavor: Any, handle: Any, delivered: list[tuple[Message, str | None]]) -> list[Result]:
+    """The runners' way in: the blocking driver for a blocking handler, the asyncio one for
+    an asyncio handler; ordered, as the Kafka runner calls it for a partition's chunk."""
+    from consumerdedup.dedup.driving import AsyncDriver, BlockingDriver
+
+    if flavor.name == "sync":
+        driver = BlockingDriver(handle)
+        try:
+            return driver.process(delivered, ordered=True)
+        finally:
+            driver.close()
+    return flavor.loop.run_until_complete(AsyncDriver(handle).process(delivered, ordered=True))  # type: ignore[no-any-return]
+
+
+def test_a_refused_delivery_behind_a_retry_is_held_back_not_dead_lettered_again(
+    db: Database, flavor: Any
+) -> None:
+    """m1 is to be retried; the malformed delivery behind it will be read again after it,
+    so refusing it now would dead-letter (and count) it once per re-read."""
+    from consumerdedup.errors import HeldBack, RetryLater
+
+    ledger = create_ledger(db)
+
+    def work(message: Message, session: Any) -> None:
+        if message.id == "m1":
+            raise RetryLater("not yet")
+        session.execute(text(ledger_sql(ledger)), {"m": message.id})
+
+    async def awaited(message: Message, session: Any) -> None:
+        if message.id == "m1":
+            raise RetryLater("not yet")
+        await session.execute(text(ledger_sql(ledger)), {"m": message.id})
+
+    dead: list[Result] = []
+    handle = handle_of(flavor, work, awaited, dead_letter=dead.append)
+    delivered = [
+        (order("m0"), None),
+        (order("m1"), None),
+        (order("bad"), "a header that is not bytes"),
+        (order("m3"), None),
+    ]
+    for _reread in range(2):
+        results = drive(flavor, handle, delivered)
+        outcomes = [r.outcome for r in results]
+        assert outcomes[1:] == [Outcome.RETRY] * 3, [(r.outcome, r.reason) for r in results]
+        assert isinstance(results[2].error, HeldBack) and isinstance(results[3].error, HeldBack)
+    assert dead == [] and handle.dedup.counts[Outcome.FAILED] == 0
+    assert effects(db, ledger) == ["m0"]
+    # Ahead of the retry, a refusal is dead-lettered in its place as before.
+    results = drive(
+        flavor, handle, [(order("bad0"), "a header that is not bytes"), (order("m1"), None)]
+    )
+    assert [r.outcome for r in results] == [Outcome.FAILED, Outcome.RETRY]
+    assert [r.message.id for r in dead] == ["bad0"]
+
+
+def test_an_unusable_id_behind_a_retry_in_an_ordered_batch_is_held_back(
+    db: Database, flavor: Any
+) -> None:
+    from consumerdedup.errors import HeldBack
+
+    dead: list[Result] = []
+    handle = flavor.wrap(
+        lambda m: (_ for _ in ()).throw(TimeoutError("down")),
+        consumer="c",
+        retry=FAST,
+        dead_letter=dead.append,
+    )
+    batch = [order("m1"), Message(id="", body=b"{}"), order("m3")]
+    results = handle.process_batch(batch, ordered=True)
+    assert [r.outcome for r in results] == [Outcome.RETRY] * 3, [r.reason for r in results]
+    assert isinstance(results[1].error, HeldBack)
+    assert dead == [] and records(db) == {}
