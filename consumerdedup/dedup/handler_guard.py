@@ -27,12 +27,18 @@ from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.orm import Session, SessionTransaction
 
 from ..db.control_sql import transaction_control
-from ..errors import CommitInHandler, TransactionBroken, describe
+from ..errors import CommitInHandler, ConfigurationError, TransactionBroken, describe
 
 _HANDLER_RUNNING = "consumerdedup.handler_running"
 _LAST_ERROR = "consumerdedup.last_error"
 _ENDED = "consumerdedup.transaction_ended"
 _GUARDED = "_consumerdedup_guarded"
+_SECOND_CONNECTION = "consumerdedup.second_connection"
+_TWO_CONNECTIONS = (
+    "the handler's session began a transaction on a second connection (a session with "
+    "several binds, or bind_arguments): writes there commit apart from the dedup record, "
+    "so they can be kept when it rolls back; bind the handler's session to one engine"
+)
 
 _ADVICE = "wrap a statement that may fail in session.begin_nested(), so that only it is undone"
 _NO_COMMIT = (
@@ -45,8 +51,17 @@ _COMMITS = ("COMMIT", "END", "COMMIT PREPARED", "PREPARE TRANSACTION")
 @event.listens_for(Session, "before_commit")
 def _refuse_commit(session: Session) -> None:
     # A begin_nested() block's RELEASE fires before_commit too: that one is the handler's to make.
-    if session.info.get(_HANDLER_RUNNING) and not session.in_nested_transaction():
+    if session.info.get(_HANDLER_RUNNING) is not None and not session.in_nested_transaction():
         raise CommitInHandler(f"the handler called session.commit(): {_NO_COMMIT}")
+
+
+@event.listens_for(Session, "after_begin")
+def _refuse_second_connection(session: Session, _transaction: Any, conn: Connection) -> None:
+    # The pipeline's connection began before the handler ran; any other one is a second.
+    running = session.info.get(_HANDLER_RUNNING)
+    if running is not None and conn is not running:  # a savepoint begins on the same one
+        session.info[_SECOND_CONNECTION] = True
+        raise TransactionBroken(_TWO_CONNECTIONS)
 
 
 def guard(engine: Engine) -> None:
@@ -123,12 +138,18 @@ class HandlerCall:
         info.pop(_LAST_ERROR, None)
         info.pop(_ENDED, None)
         info[_HANDLER_RUNNING] = True
-        session.info[_HANDLER_RUNNING] = True
+        session.info[_HANDLER_RUNNING] = connection
 
     def finish(self) -> None:
-        """Call after the handler, whether it returned or raised."""
+        """Call after the handler, whether it returned or raised (in a ``finally``).
+
+        A second connection is a setup fault, whatever the handler made of it:
+        ConfigurationError, so that no message is recorded for it.
+        """
         self.session.info.pop(_HANDLER_RUNNING, None)
         self.info.pop(_HANDLER_RUNNING, None)
+        if self.session.info.pop(_SECOND_CONNECTION, None):
+            raise ConfigurationError(_TWO_CONNECTIONS)
 
     def verify(self) -> None:
         """Raise TransactionBroken if the handler returned with the transaction unusable."""
