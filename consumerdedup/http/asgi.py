@@ -33,6 +33,7 @@ from .sql_statements import is_lock_timeout
 from .sql_store import AsyncSqlStore, SqlStore
 from .store import Claimed, ClaimResult, InFlight
 from .stored import StoredResponse
+from .transactional import hold_commits
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -141,6 +142,7 @@ class _Exchange:
         self.app_task: asyncio.Future[None] | None = None
         self.held: flow.Claim | None = None
         self.token = ""
+        self.allow_commit: Callable[[], None] | None = None
 
     async def drive(self, steps: Any) -> None:
         reply: Any = None
@@ -205,7 +207,8 @@ class _Exchange:
             assert store is not None  # the policy property refused transactional without it
             self.session = self.new_session()
             try:
-                result = await _call(store.claim_in, self.session, *args, claim.policy.wait)
+                wait, lease = claim.policy.wait, claim.policy.lease
+                result = await _call(store.claim_in, self.session, *args, wait, lease)
             except Exception as error:
                 if not is_lock_timeout(error):
                     raise
@@ -232,6 +235,7 @@ class _Exchange:
         scope["extensions"] = extensions
         if self.session is not None:
             scope[SESSION_KEY] = self.session
+            self.allow_commit = hold_commits(self.session)
         self.capture = capture = _Capture(self.send, policy.max_stored_body)
         self.app_task = task = asyncio.ensure_future(self.owner.app(scope, self.replay, capture))
         renewing = None if policy.transactional else asyncio.ensure_future(self.renew(policy))
@@ -288,6 +292,8 @@ class _Exchange:
         assert store is not None and session is not None
         try:
             await _call(store.complete_in, session, scope, key, response, expiry)
+            assert self.allow_commit is not None
+            self.allow_commit()
             await _call(session.commit)
         except Exception:
             log.exception("idempotency commit failed for %s", scope)

@@ -66,7 +66,7 @@ def _quoted(text: str) -> str:
             if i + 1 >= len(text) or text[i + 1] not in '"\\':
                 raise InvalidIdempotencyKey(
                     'the quoted Idempotency-Key has a backslash not followed by " or \\; '
-                    'inside quotes only \\" and \\\\ are escapes (RFC 8941)'
+                    'send a quote as \\" and a backslash as \\\\ (RFC 8941), or the key bare'
                 )
             out.append(text[i + 1])
             i += 2

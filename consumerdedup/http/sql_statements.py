@@ -112,7 +112,8 @@ class KeyStatements:
         now: datetime,
         lease: timedelta | None,
     ) -> Generator[Step, Sequence[Any], ClaimResult]:
-        """The claim; ``lease=None`` inside the request's transaction (the row lock holds it)."""
+        """The claim; inside the request's transaction the row lock holds it, and ``lease``
+        only frees a claim row committed without its response (None: never)."""
         token = new_token()
         locked_until = now + lease if lease is not None else None
         params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_fingerprint": fingerprint}

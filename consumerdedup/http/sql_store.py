@@ -109,14 +109,20 @@ class SqlStore:
 
     # Transactional mode: inside the request's Session, which the caller commits.
     def claim_in(
-        self, session: Session, scope: str, key: str, fingerprint: str, wait: timedelta
+        self,
+        session: Session,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        wait: timedelta,
+        lease: timedelta | None = None,
     ) -> ClaimResult:
         conn = session.connection()
         if conn.dialect.name == "sqlite":
             _begin_waiting(conn, wait)
         else:
             _begin(conn)
-        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), None)
+        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease)
         if conn.dialect.name != "postgresql":
             return _drive_sync(conn, steps)
         swap = self.statements.swap_lock_timeout
@@ -179,14 +185,20 @@ class AsyncSqlStore:
             return bool((await conn.execute(statement, params)).rowcount == 1)
 
     async def claim_in(
-        self, session: AsyncSession, scope: str, key: str, fingerprint: str, wait: timedelta
+        self,
+        session: AsyncSession,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        wait: timedelta,
+        lease: timedelta | None = None,
     ) -> ClaimResult:
         conn = await session.connection()
         if conn.dialect.name == "sqlite":
             await conn.run_sync(_begin_waiting, wait)
         else:
             await conn.run_sync(_begin)
-        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), None)
+        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease)
         if conn.dialect.name != "postgresql":
             return await _drive_async(conn, steps)
         swap = self.statements.swap_lock_timeout

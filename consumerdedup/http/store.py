@@ -103,10 +103,17 @@ class TransactionalStore(Protocol):
     """
 
     def claim_in(
-        self, session: Session, scope: str, key: str, fingerprint: str, wait: timedelta
+        self,
+        session: Session,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        wait: timedelta,
+        lease: timedelta | None = None,
     ) -> ClaimResult:
         """Claim in ``session``'s transaction (begun by the caller); Claimed means the row is
-        written and locked until that transaction ends."""
+        written and locked until that transaction ends. ``lease`` is only a backstop: a
+        claim row that got committed without its response becomes free after it."""
         ...
 
     def complete_in(
@@ -122,7 +129,13 @@ class AsyncTransactionalStore(Protocol):
     """TransactionalStore's twin over AsyncSession."""
 
     async def claim_in(
-        self, session: AsyncSession, scope: str, key: str, fingerprint: str, wait: timedelta
+        self,
+        session: AsyncSession,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        wait: timedelta,
+        lease: timedelta | None = None,
     ) -> ClaimResult: ...
 
     async def complete_in(

@@ -34,7 +34,7 @@ def post(
 
 
 def assert_problem(response: httpx.Response, status: int, name: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
+    assert response.status_code == status, response.text[:300]
     assert response.headers["content-type"] == PROBLEM
     document = response.json()
     assert document["type"].endswith(":" + name)
@@ -383,3 +383,87 @@ def test_a_key_reused_after_expiry_is_a_new_request(server: Server) -> None:
     wait_for(lambda: not replayed(post(server, "/expiring", key, note.encode())), what="expiry")
     assert server.runs("expiring", note) == 2
     assert json.loads(post(server, "/expiring", key, note.encode()).content)["run"]
+
+
+def test_a_long_endpoint_keeps_its_claim_past_the_lease(server: Server) -> None:
+    key, note = new_key(), new_key()
+    first: list[httpx.Response] = []
+    path = "/lease?sleep=2.5"  # lease 1 s: only renewal keeps twins out
+    thread = threading.Thread(target=lambda: first.append(post(server, path, key, note.encode())))
+    thread.start()
+    wait_for(lambda: server.runs("lease", note) == 1, what="the first request to run")
+    while thread.is_alive():
+        twin = post(server, path, key, note.encode())
+        if thread.is_alive() or twin.status_code == 409:
+            assert_problem(twin, 409, "in-flight")
+        thread.join(0.3)
+    assert first[0].status_code == 201
+    assert replayed(post(server, path, key, note.encode()))
+    assert server.runs("lease", note) == 1
+
+
+def test_a_transactional_twin_waits_on_the_row_lock_and_replays(server: Server) -> None:
+    key, note = new_key(), new_key()
+    first: list[httpx.Response] = []
+    path = "/tx/wait?sleep=0.5"
+    thread = threading.Thread(target=lambda: first.append(post(server, path, key, note.encode())))
+    thread.start()
+    marker_free = wait_for(lambda: _claim_visible_or_done(server, thread), what="the first claim")
+    twin = post(server, path, key, note.encode())
+    thread.join(30)
+    assert first[0].status_code == 201 and not replayed(first[0])
+    assert twin.status_code == 201 and replayed(twin) and twin.content == first[0].content
+    assert server.runs("tx/wait", note) == 1
+    del marker_free
+
+
+def _claim_visible_or_done(server: Server, thread: threading.Thread) -> bool:
+    # The first request's claim row is uncommitted (invisible); its log line says it claimed.
+    return not thread.is_alive() or "claimed POST /tx/wait" in server.log.read_text()
+
+
+def test_a_transactional_endpoint_that_commits_is_refused_and_leaves_nothing(
+    server: Server,
+) -> None:
+    key, note = new_key(), new_key()
+    for _ in range(2):
+        assert post(server, "/tx/commits", key, note.encode()).status_code == 500
+    assert server.runs("tx/commits", note) == 0
+
+
+def test_a_request_body_over_the_limit_is_413_and_nothing_runs(server: Server) -> None:
+    key, note = new_key(), new_key()
+    body = note.encode() * 40
+    assert_problem(post(server, "/small", key, body), 413, "request-too-large")
+    assert server.runs("small", body[:200].decode()) == 0
+    assert post(server, "/small", key, note.encode()).status_code == 201  # no claim was left
+
+
+def test_a_client_gone_before_its_body_arrived_claims_nothing(server: Server) -> None:
+    key, note = new_key(), new_key()
+    head = (
+        "POST /payments HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5000\r\n"
+        f"Idempotency-Key: {key}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + b"x" * 100)
+    retry = wait_for(
+        lambda: (r := post(server, "/payments", key, note.encode())).status_code != 409 and r,
+        what="the server to notice the disconnect",
+    )
+    assert retry.status_code == 201 and not replayed(retry)
+    assert server.runs("payments", note) == 1
+
+
+def test_each_decision_is_one_log_line_without_the_key_or_the_body(server: Server) -> None:
+    key, note = "secret-" + new_key(), "body-" + new_key()
+    post(server, "/payments", key, note.encode())
+    post(server, "/payments", key, note.encode())
+    post(server, "/payments", key, b"another body")
+    post(server, "/payments", "bad key", note.encode())
+    text = server.log.read_text()
+    label = "key#" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    lines = [line for line in text.splitlines() if label in line]
+    assert [line.split()[3] for line in lines] == ["claimed", "replayed", "mismatch"], lines
+    assert key not in text and note not in text and "another body" not in text
+    assert "refused POST /payments: malformed key" in text
