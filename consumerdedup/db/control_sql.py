@@ -162,7 +162,9 @@ def _skip_token(sql: str, i: int, reading: _Reading) -> int:
     if reading.brackets and c == "[":
         end = sql.find("]", i + 1)
         return len(sql) if end < 0 else end + 1
-    if reading.dollar_quotes and c == "$" and (tag := _DOLLAR_TAG.match(sql, i)):
+    # PostgreSQL: a $ inside a name is part of it (a$b$ is one name), not a dollar quote.
+    in_name = i > 0 and _NAME_CHAR.match(sql[i - 1]) is not None
+    if reading.dollar_quotes and c == "$" and not in_name and (tag := _DOLLAR_TAG.match(sql, i)):
         end = sql.find(tag.group(), tag.end())
         return len(sql) if end < 0 else end + len(tag.group())
     if match := _WORD.match(sql, i):

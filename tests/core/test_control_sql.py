@@ -28,6 +28,7 @@ POSTGRESQL = {
     "COMMIT PREPARED 'x'": "COMMIT PREPARED",
     "SELECT 'a\\'' ; COMMIT --'": "COMMIT",  # standard_conforming_strings off: a', then COMMIT
     "SELECT type'x'; COMMIT": "COMMIT",  # not an E'' string: the quote ends at the next one
+    "SELECT 1 AS a$b$ ; COMMIT --$b$": "COMMIT",  # a$b$ is a name: no dollar quote starts
     "ROLLBACK TO SAVEPOINT a": None,
     "rollback transaction to a": None,
     "SAVEPOINT a": None,

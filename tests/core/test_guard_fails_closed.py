@@ -166,6 +166,7 @@ POSTGRES_ONLY = [
     "SELECT 'a\\'' ; COMMIT --'",  # PostgreSQL's reading: a string, then COMMIT
     'SELECT 1 AS "x;"; COMMIT',
     "SELECT $q$ ; $q$; COMMIT",
+    "SELECT 1 AS a$b$ ; COMMIT --$b$",  # a$b$ is one name: no dollar quote starts there
 ]
 
 
