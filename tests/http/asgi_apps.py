@@ -53,6 +53,7 @@ from sqlalchemy.orm import Session
 from consumerdedup import Outbox, Tables
 from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
 from consumerdedup.http.asgi import SESSION_KEY
+from tests.http.stores import store_from_env
 
 REQUIRED = RoutePolicy(required=True)
 POLICY = IdempotencyPolicy.of(
@@ -295,6 +296,7 @@ def make_app() -> Any:
     return IdempotencyMiddleware(
         inner,
         backend.engine,
+        store=store_from_env(isinstance(backend.engine, AsyncEngine)),
         policy=POLICY,
         routes=routes,
         principal=principal,

@@ -25,7 +25,9 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from consumerdedup.schema import install
+from tests.http import wsgi_server
 from tests.http.asgi_apps import count_runs, tables_for
+from tests.http.stores import drop_redis_keys, redis_env
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 30.0
@@ -42,6 +44,10 @@ class ServerKind:
     """Serves /tx/payments (SQL stores only)."""
 
 
+def flask_waitress(port: int) -> list[str]:
+    return wsgi_server.command("tests.http.wsgi_apps:make_app", port)
+
+
 def uvicorn(port: int) -> list[str]:
     return [
         sys.executable, "-m", "uvicorn", "--factory", "tests.http.asgi_apps:make_app",
@@ -54,6 +60,12 @@ SERVERS: list[ServerKind] = [
                                                          "CDD_HTTP_ASYNC": "1"}),
     ServerKind("raw-postgresql-sync", "postgresql", {"CDD_HTTP_FRAMEWORK": "raw"}),
     ServerKind("fastapi-sqlite-sync", "sqlite", {"CDD_HTTP_FRAMEWORK": "fastapi"}),
+    # The Redis store (transactional routes stay on the engine's SQL store), and the WSGI
+    # middleware under waitress with a Flask app (tests/http/wsgi_apps.py).
+    ServerKind("fastapi-redis-async", "postgresql", {"CDD_HTTP_FRAMEWORK": "fastapi",
+                                                    "CDD_HTTP_ASYNC": "1", **redis_env()}),
+    ServerKind("flask-waitress-postgresql", "postgresql", command=flask_waitress),
+    ServerKind("flask-waitress-redis-sqlite", "sqlite", redis_env(), command=flask_waitress),
 ]  # fmt: skip
 
 
@@ -147,6 +159,8 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
             yield server
         finally:
             server.stop()
+            if "CDD_HTTP_REDIS_PREFIX" in kind.env:
+                drop_redis_keys(kind.env["CDD_HTTP_REDIS_PREFIX"])
             if schema:
                 with server.engine.begin() as conn:
                     conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))

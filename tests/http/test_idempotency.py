@@ -17,8 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
+from sqlalchemy import func, select
 
 from tests.http.conftest import Server, new_key, wait_for
+from tests.http.stores import REDIS_URL
 
 PROBLEM = "application/problem+json"
 
@@ -467,3 +470,23 @@ def test_each_decision_is_one_log_line_without_the_key_or_the_body(server: Serve
     assert [line.split()[3] for line in lines] == ["claimed", "replayed", "mismatch"], lines
     assert key not in text and note not in text and "another body" not in text
     assert "refused POST /payments: malformed key" in text
+
+
+# The parametrisation itself: each server keeps its records where its kind says.
+def test_the_records_live_in_the_store_the_server_kind_names(server: Server) -> None:
+    key, note = new_key(), new_key()
+    assert post(server, "/payments", key, note.encode()).status_code == 201
+    table = server.tables.idempotency_keys
+    with server.engine.connect() as conn:
+        in_sql = conn.execute(select(func.count()).where(table.c.key == key)).scalar_one()
+    prefix = server.kind.env.get("CDD_HTTP_REDIS_PREFIX")
+    if prefix is None:
+        assert in_sql == 1
+        return
+    # Else a Redis entry that fell back to the engine's store would test SQL twice.
+    assert in_sql == 0, "a Redis server's middleware wrote its record to SQL"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert list(client.scan_iter(match=f"{prefix}*")), "no record under the server's prefix"
+    finally:
+        client.close()

@@ -114,14 +114,20 @@ def _load(factory: str) -> Any:
     return getattr(importlib.import_module(module), name)()
 
 
+def command(factory: str, port: int, threads: int = 24) -> list[str]:
+    """The argv of a server on ``port`` (for tests/http/conftest.py's ServerKind)."""
+    return [sys.executable, "-m", "tests.http.wsgi_server", factory, str(threads), str(port)]
+
+
 def main() -> None:
     import waitress.server
 
     factory, threads = sys.argv[1], int(sys.argv[2])
+    port = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     app = _load(factory)
     # Port 0: the kernel picks a free port; the child says which. threads >= the tests'
     # concurrency, so 20 requests with one key really reach the middleware at once.
-    server = waitress.server.create_server(app, host="127.0.0.1", port=0, threads=threads)
+    server = waitress.server.create_server(app, host="127.0.0.1", port=port, threads=threads)
     print(f"{READY}{server.effective_port}", flush=True)  # type: ignore[union-attr]
     signal.signal(signal.SIGTERM, lambda *_: server.close())
     with contextlib.suppress(OSError, ValueError):  # the socket closed under it by SIGTERM
