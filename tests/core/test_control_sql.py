@@ -6,6 +6,10 @@ real servers; this table pins the readings, including the ambiguous ones.
 
 from __future__ import annotations
 
+import contextlib
+import random
+from typing import Any
+
 import pytest
 
 from consumerdedup.db.control_sql import transaction_control
@@ -66,3 +70,59 @@ def test_sqlite_readings(sql: str, expected: str | None) -> None:
 
 def test_an_unknown_dialect_is_read_every_way() -> None:
     assert transaction_control("/* a /* b */ COMMIT", "other") == "COMMIT"
+
+
+LITERALS = [
+    "'a'", "'\\'", "'\\''", "E'\\''", "E'\\\\'", "$$x$$", "$a$ ; $a$", "U&'\\0041'", "''''",
+    "'--'", "'/*'", "$$'$$",
+]  # fmt: skip
+COMMENTS = ["", "/* */", "/* /* */ */", "-- x\n", "/* ' */", "-- '\n"]
+NAMES = ["", " AS a$b$", ' AS "q;"', " AS x", " AS e"]
+CONTROLS = ["COMMIT", "commit work", "END", "ABORT", "ROLLBACK", "COMMIT AND CHAIN"]
+
+
+def random_text(rng: random.Random) -> str:
+    """Valid statements of literals, comments and names the lexers may read differently, then
+    a control statement, then more: most of them end the transaction on the real server."""
+
+    def statement() -> str:
+        literals = " || ".join(rng.choice(LITERALS) for _ in range(rng.randint(1, 3)))
+        return f"SELECT {literals}{rng.choice(COMMENTS)}{rng.choice(NAMES)}"
+
+    parts = [statement() for _ in range(rng.randint(1, 2))]
+    parts.append(rng.choice(COMMENTS) + rng.choice(CONTROLS))
+    return "; ".join(parts) + rng.choice(["", "; " + statement(), " " + rng.choice(LITERALS)])
+
+
+def test_no_random_text_that_ends_a_postgresql_transaction_gets_past(pg: Any) -> None:
+    """Differential, against the real server: 200 seeded texts, each run inside a transaction
+    with standard_conforming_strings on and off. Every one that ended the transaction (or
+    chained a new one) must have been found."""
+    rng = random.Random(17)
+    raw = pg.engine.raw_connection()
+    conn = raw.driver_connection
+    missed, ended_count = [], 0
+    try:
+        for _ in range(200):
+            sql = random_text(rng)
+            for conforming in ("on", "off"):
+                conn.rollback()
+                conn.execute(f"SET standard_conforming_strings = {conforming}")
+                conn.commit()
+                xid = conn.execute("SELECT txid_current()").fetchone()[0]
+                with contextlib.suppress(Exception):
+                    conn.execute(sql)
+                status = conn.info.transaction_status
+                ended = status == 0 or (  # IDLE, or a new transaction (AND CHAIN)
+                    status == 2 and conn.execute("SELECT txid_current()").fetchone()[0] != xid
+                )
+                ended_count += ended
+                if ended and transaction_control(sql, "postgresql") is None:
+                    missed.append((conforming, sql))
+    finally:
+        conn.rollback()
+        conn.execute("SET standard_conforming_strings = on")
+        conn.commit()
+        raw.close()
+    assert ended_count > 100, "the generator must exercise the server, not only syntax errors"
+    assert missed == []
