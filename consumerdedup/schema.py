@@ -35,6 +35,8 @@ from .db.partitions import AHEAD, DayPartitions
 from .errors import ConfigurationError
 
 ID_LENGTH = 255
+NOTIFY_PREFIX = "consumerdedup_"
+"""Of the PostgreSQL NOTIFY channels that wake outbox relays."""
 
 
 def utcnow() -> datetime:
@@ -182,8 +184,10 @@ class Tables:
 
     @property
     def notify_channel(self) -> str:
-        """The PostgreSQL NOTIFY channel that wakes relays when outbox rows commit."""
-        return f"consumerdedup_{self.outbox.fullname.replace('.', '_')}"[:63]
+        """The NOTIFY channel of triggers installed by earlier releases, named by how the
+        table was spelled (``public.outbox`` and ``outbox`` differed). Relays listen on it
+        too until ``install()`` replaces the trigger; now it is ``notify_channel_of(oid)``."""
+        return f"{NOTIFY_PREFIX}{self.outbox.fullname.replace('.', '_')}"[:63]
 
     def notify_trigger_ddl(self) -> list[str]:
         """PostgreSQL: a statement-level trigger that NOTIFYs relays on insert.
@@ -198,11 +202,19 @@ class Tables:
         trigger = f'"{table.name}_notify"'
         return [
             f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
-            f"$$ BEGIN PERFORM pg_notify('{self.notify_channel}', ''); RETURN NULL; END $$",
+            # By the table's OID, as the relay's locks: every spelling of one table (with
+            # or without its schema) is one channel, and two outboxes are two.
+            f"$$ BEGIN PERFORM pg_notify('{NOTIFY_PREFIX}' || TG_RELID::text, ''); "
+            "RETURN NULL; END $$",
             f"DROP TRIGGER IF EXISTS {trigger} ON {qualified}",
             f"CREATE TRIGGER {trigger} AFTER INSERT ON {qualified} "
             f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
         ]
+
+
+def notify_channel_of(oid: int) -> str:
+    """The NOTIFY channel the outbox trigger wakes relays on: the table's OID, resolved."""
+    return f"{NOTIFY_PREFIX}{oid}"
 
 
 DEFAULT = Tables.define()

@@ -10,16 +10,25 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from consumerdedup.headers import SOURCE_HEADER
 
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig, KeyFunction
-from .convert import OFFSET_HEADER, PARTITION_HEADER
-from .errors import BrokerUnavailable, KafkaAdapterError, PublishFailed, TopicMissing
+from .convert import BODY_DROPPED_HEADER, OFFSET_HEADER, PARTITION_HEADER
+from .errors import (
+    BrokerRefused,
+    BrokerUnavailable,
+    KafkaAdapterError,
+    PublishFailed,
+    PublishRefused,
+    TopicMissing,
+)
 from .publisher import KafkaPublisher
 from .runner import KafkaConsumerRunner
 
 __all__ = [
+    "BODY_DROPPED_HEADER",
     "DEFAULT_BOOTSTRAP",
     "OFFSET_HEADER",
     "PARTITION_HEADER",
     "SOURCE_HEADER",
+    "BrokerRefused",
     "BrokerUnavailable",
     "KafkaAdapterError",
     "KafkaConfig",
@@ -27,5 +36,6 @@ __all__ = [
     "KafkaPublisher",
     "KeyFunction",
     "PublishFailed",
+    "PublishRefused",
     "TopicMissing",
 ]

@@ -17,6 +17,42 @@ RUNNER_OWNED = {"bootstrap_servers", "group_id", "enable_auto_commit"}
 PUBLISHER_OWNED = {"bootstrap_servers", "acks", "enable_idempotence"}
 
 
+def check_bootstrap(servers: object) -> None:
+    """ConfigurationError unless ``servers`` is ``host[:port][,host[:port]...]`` or a list of
+    ``host[:port]``: caught at construction, not charged to the first event sent."""
+    hint = "bootstrap_servers must be host:port[,host:port...] (consumerdedup relay --kafka)"
+    if isinstance(servers, str):
+        entries = servers.split(",")
+    elif isinstance(servers, Sequence) and all(isinstance(s, str) for s in servers):
+        entries = list(servers)
+    else:
+        raise ConfigurationError(f"{hint}, got a {type(servers).__name__}")
+    if not entries:
+        raise ConfigurationError(f"{hint}, got none")
+    for entry in (e.strip() for e in entries):
+        if "://" in entry:
+            scheme = entry.partition("://")[0]
+            raise ConfigurationError(f"{hint}, not a URL: got a {scheme}:// address")
+        if "@" in entry:  # never echoed: it may carry a password
+            raise ConfigurationError(f"{hint}; credentials go in the options (sasl_*)")
+        host, port = _host_port(entry)
+        if not host or "/" in host or (port is not None and not 0 < port < 65536):
+            raise ConfigurationError(f"{hint}, got {entry[:80]!r}")
+
+
+def _host_port(entry: str) -> tuple[str, int | None]:
+    if entry.startswith("["):  # [IPv6]:port
+        host, _, rest = entry[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else (None if not rest else "bad")
+    elif entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+    else:
+        host, port = entry, None
+    if port is None:
+        return host, None
+    return host, int(port) if port.isdigit() else -1
+
+
 def reject_owned(name: str, options: Mapping[str, Any], owned: set[str]) -> None:
     clash = sorted(owned.intersection(options))
     if clash:

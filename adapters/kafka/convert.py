@@ -16,6 +16,9 @@ from .config import KafkaConfig
 PARTITION_HEADER = "x-dead-letter-partition"
 OFFSET_HEADER = "x-dead-letter-offset"
 """On a dead letter: where it was in the source topic (decimal text)."""
+BODY_DROPPED_HEADER = "x-dead-letter-body-dropped"
+"""On a dead letter sent without its body (the value), because the broker refused the full
+copy for good: why it refused it."""
 MAX_REASON = 1000
 """Reasons are cut to this many characters."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumerdedup import ConsumerDedupError, errors
+from consumerdedup import ConfigurationError, ConsumerDedupError, errors
 
 
 class KafkaAdapterError(ConsumerDedupError):
@@ -21,3 +21,13 @@ class BrokerUnavailable(PublishFailed, errors.BrokerUnavailable):
 class TopicMissing(PublishFailed, errors.DestinationMissing):
     """The broker answers but has no such topic and does not create it: the outbox relay
     charges the event an attempt and backs it off, holding back only its key."""
+
+
+class BrokerRefused(KafkaAdapterError, ConfigurationError):
+    """The broker answered and will not let this client start (idempotence it does not grant,
+    credentials, ACLs): a setup fault retrying cannot fix, charged to no event."""
+
+
+class PublishRefused(PublishFailed):
+    """The broker (or the client) refused this record for good (too large, no right to the
+    topic, invalid): sending the same record again cannot succeed."""

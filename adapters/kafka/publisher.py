@@ -8,8 +8,16 @@ from types import TracebackType
 from typing import Any
 
 from aiokafka.errors import (  # type: ignore[import-untyped]
+    ClusterAuthorizationFailedError,
+    DuplicateSequenceNumber,
+    InvalidProducerEpoch,
+    InvalidProducerIdMapping,
     KafkaError,
     KafkaTimeoutError,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+    ProducerFenced,
+    UnknownProducerId,
     UnknownTopicOrPartitionError,
 )
 
@@ -19,12 +27,24 @@ from consumerdedup.outbox.publisher import AsyncPublisher
 from . import connection
 from .config import DEFAULT_BOOTSTRAP
 from .connection import producer_settings
-from .errors import BrokerUnavailable, PublishFailed, TopicMissing
+from .errors import BrokerRefused, BrokerUnavailable, PublishFailed, PublishRefused, TopicMissing
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, bytes]]
 TOPIC_LIST_TIMEOUT = 10.0
 """Seconds the broker has to list its topics when a send failed in a way that may mean
 either "no such topic" or "no broker"."""
+PRODUCER_STATE = (
+    ClusterAuthorizationFailedError,
+    DuplicateSequenceNumber,
+    InvalidProducerEpoch,
+    InvalidProducerIdMapping,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+    ProducerFenced,
+    UnknownProducerId,
+)
+"""Not retriable in aiokafka's words, yet about the producer's session (its id, epoch,
+sequence), not the record: a new producer may send the same record."""
 
 
 class KafkaPublisher(AsyncPublisher):
@@ -49,6 +69,7 @@ class KafkaPublisher(AsyncPublisher):
         enable_idempotence: bool = True,
         options: Mapping[str, Any] | None = None,
     ) -> None:
+        connection.check_bootstrap(bootstrap_servers)
         self._settings = producer_settings(bootstrap_servers, enable_idempotence, options or {})
         self._producer: Any = None
         self._starting = asyncio.Lock()
@@ -67,7 +88,7 @@ class KafkaPublisher(AsyncPublisher):
                     # Raised from start() too, also through ``async with`` (the outbox
                     # relay enters the publisher before its first send): a broker that
                     # does not answer must read as BrokerUnavailable there as well.
-                    raise _start_failure(exc) from exc
+                    raise _start_failure(exc, self._settings) from exc
                 raise
             self._producer = producer
 
@@ -118,9 +139,12 @@ class KafkaPublisher(AsyncPublisher):
     async def _failure(self, topic: str, exc: KafkaError) -> PublishFailed:
         """The error to raise for ``exc``: the broker away, the topic missing, or a refusal."""
         reason = f"cannot publish to {topic!r}: {describe(exc)}"
-        # Retriable errors and timeouts mean "not now", not "never".
-        if not (getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError)):
+        if isinstance(exc, PRODUCER_STATE):
+            await self.stop()  # the next send starts a new producer
             return PublishFailed(reason)
+        # Retriable errors and timeouts mean "not now"; the others "never, for this record".
+        if not (getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError)):
+            return PublishRefused(reason)
         if isinstance(exc, UnknownTopicOrPartitionError | KafkaTimeoutError):
             found = await self._topics()
             if found is not None and topic not in found:
@@ -146,12 +170,24 @@ class KafkaPublisher(AsyncPublisher):
         return set(cluster.topics(exclude_internal_topics=False))
 
 
-def _start_failure(exc: KafkaError) -> PublishFailed:
-    """A producer that cannot start: no broker answers (retriable), or one refuses it."""
+def _start_failure(exc: KafkaError, settings: Mapping[str, Any]) -> PublishFailed | BrokerRefused:
+    """A producer that cannot start: no broker answers (retriable, BrokerUnavailable), or one
+    refuses it (BrokerRefused, a ConfigurationError naming what to change)."""
     reason = f"cannot start the Kafka producer: {describe(exc)}"
     if getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError):
         return BrokerUnavailable(reason)
-    return PublishFailed(reason)
+    where = settings["bootstrap_servers"]
+    if settings["enable_idempotence"]:
+        return BrokerRefused(
+            f"the Kafka broker at {where} refused an idempotent producer ({describe(exc)}); "
+            "a broker without idempotent producers (Tansu, some managed services) needs them "
+            "off: KafkaPublisher(enable_idempotence=False), consumerdedup relay "
+            "--no-idempotence, KafkaConfig(idempotent_producer=False) for a runner's dead letters"
+        )
+    return BrokerRefused(
+        f"the Kafka broker at {where} refused the producer ({describe(exc)}): check the "
+        "security options (security_protocol, sasl_*) and the ACLs"
+    )
 
 
 def _bytes(value: str | bytes | None) -> bytes | None:

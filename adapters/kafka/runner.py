@@ -17,8 +17,8 @@ from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from . import connection
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig
-from .convert import coordinates, dead_letter_headers, to_message
-from .errors import PublishFailed
+from .convert import BODY_DROPPED_HEADER, coordinates, dead_letter_headers, to_message
+from .errors import PublishFailed, PublishRefused
 from .publisher import KafkaPublisher
 
 logger = logging.getLogger("consumerdedup.kafka")
@@ -65,6 +65,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         if any(self.config.dead_letters_of(t) in self.topics for t in self.topics):
             raise ConfigurationError("a dead-letter topic must not be one of the consumed topics")
         self.config.check_dead_letters(self.topics)
+        connection.check_bootstrap(bootstrap_servers)
         self.handler = handler
         self.bootstrap_servers = bootstrap_servers
         self.group_id = group_id or self.driver.consumer
@@ -97,6 +98,10 @@ class KafkaConsumerRunner(ConsumerRunner):
         self.consumer = consumer
         try:
             await consumer.start()
+            # Now, not at the first dead letter: a producer the broker will not start (an
+            # idempotent one on Tansu) is a setup fault (BrokerRefused, a ConfigurationError
+            # naming idempotent_producer=False), said before any record is read.
+            await dead_letters.start()
             await self._consume(consumer, dead_letters, until_idle)
         finally:
             self.consumer = None
@@ -159,25 +164,49 @@ class KafkaConsumerRunner(ConsumerRunner):
         self, dead_letters: KafkaPublisher, records: Sequence[Any], results: Sequence[Result]
     ) -> int:
         """Send the FAILED ones, in order; how many records lead up to the first unsent one."""
-        consumer_name = self.driver.consumer
         for index, (record, result) in enumerate(zip(records, results, strict=True)):
-            if result.outcome is not Outcome.FAILED:
-                continue
-            topic = self.config.dead_letters_of(record.topic)
-            headers = dead_letter_headers(record, result.reason or "failed", consumer_name)
-            try:
-                # A null value goes as empty: aiokafka refuses a record with neither key nor value.
-                value = record.value if record.value is not None else b""
-                await dead_letters.send(topic, value, key=record.key, headers=headers)
-            except PublishFailed as exc:
-                logger.error(
-                    "cannot dead-letter %s to %s, it will be read again: %s",
-                    coordinates(record),
-                    topic,
-                    describe(exc),
-                )
+            failed = result.outcome is Outcome.FAILED
+            if failed and not await self._send_dead_letter(dead_letters, record, result.reason):
                 return index
         return len(records)
+
+    async def _send_dead_letter(
+        self, dead_letters: KafkaPublisher, record: Any, reason: str | None
+    ) -> bool:
+        """True once the copy is sent, or can never be: a refusal for good (too large, no
+        right to the topic) must not hold the partition, so a copy without the value goes,
+        and if that is refused too the loss is logged at ERROR (the FAILED record is kept).
+        False for a failure that may pass (the broker away, the topic not there yet)."""
+        topic = self.config.dead_letters_of(record.topic)
+        headers = dead_letter_headers(record, reason or "failed", self.driver.consumer)
+        where = f"{coordinates(record)} to {topic}"
+        # A null value goes as empty: aiokafka refuses a record with neither key nor value.
+        value = record.value if isinstance(record.value, bytes) else b""
+        try:
+            await dead_letters.send(topic, value, key=record.key, headers=headers)
+            return True
+        except PublishRefused as exc:
+            refused = describe(exc)
+        except PublishFailed as exc:
+            logger.error("cannot dead-letter %s, it will be read again: %s", where, describe(exc))
+            return False
+        dropped = [*headers, (BODY_DROPPED_HEADER, refused[:1000].encode())]
+        try:
+            await dead_letters.send(topic, b"", key=record.key, headers=dropped)
+        except PublishRefused as exc:
+            logger.error(
+                "cannot dead-letter %s, not even without its value (%s; then %s): it is not "
+                "dead-lettered, its FAILED record is kept",
+                where,
+                refused,
+                describe(exc),
+            )
+            return True
+        except PublishFailed as exc:
+            logger.error("cannot dead-letter %s, it will be read again: %s", where, describe(exc))
+            return False
+        logger.error("dead-lettered %s without its value, which was refused: %s", where, refused)
+        return True
 
     async def _commit(self, consumer: Any, tp: Any, offset: int) -> bool:
         try:

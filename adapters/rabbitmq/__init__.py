@@ -11,12 +11,14 @@ from consumerdedup.headers import SOURCE_HEADER
 from consumerdedup.outbox.publisher import Publisher
 
 from .config import DEFAULT_URL, KeyFunction, RabbitConfig
-from .convert import Delivery
+from .convert import BODY_DROPPED_HEADER, Delivery
 from .errors import (
+    BrokerRefused,
     BrokerUnavailable,
     ExchangeMissing,
     PublishFailed,
     PublishNacked,
+    PublishRefused,
     RabbitError,
     TopologyError,
     Unroutable,
@@ -25,14 +27,17 @@ from .publisher import RabbitPublisher, route
 from .runner import RabbitConsumerRunner
 
 __all__ = [
+    "BODY_DROPPED_HEADER",
     "DEFAULT_URL",
     "SOURCE_HEADER",
+    "BrokerRefused",
     "BrokerUnavailable",
     "Delivery",
     "ExchangeMissing",
     "KeyFunction",
     "PublishFailed",
     "PublishNacked",
+    "PublishRefused",
     "Publisher",
     "RabbitConfig",
     "RabbitConsumerRunner",

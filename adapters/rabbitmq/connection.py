@@ -16,7 +16,7 @@ import tenacity
 from consumerdedup import ConfigurationError
 from consumerdedup.retry import Backoff
 
-from .errors import BrokerUnavailable
+from .errors import BrokerRefused, BrokerUnavailable
 
 log = logging.getLogger("consumerdedup.rabbitmq")
 
@@ -58,6 +58,12 @@ def parameters(url: str, options: Mapping[str, Any], name: str) -> Any:
 
     Raises ConfigurationError for a bad URL or option, before anything connects.
     """
+    scheme = url.partition("://")[0].lower() if isinstance(url, str) and "://" in url else ""
+    if scheme not in ("amqp", "amqps"):
+        raise ConfigurationError(
+            "a RabbitMQ URL must be amqp://user:password@host:5672/vhost (or amqps://), got "
+            + (f"a {scheme}:// URL" if scheme else "no amqp:// scheme")
+        )
     try:
         params = pika.URLParameters(url)
         for option, value in options.items():
@@ -101,11 +107,20 @@ def connect(
     try:
         return retrying(pika.BlockingConnection, params)
     except _REFUSED as exc:
-        raise BrokerUnavailable(f"RabbitMQ at {where} refused the connection: {exc!r}") from exc
+        raise BrokerRefused(
+            f"RabbitMQ at {where} refused the connection ({type(exc).__name__}: "
+            f"{_reply(exc)}): check the URL's user, password and vhost, and that the port "
+            "is AMQP's"
+        ) from exc
     except pika.exceptions.AMQPConnectionError as exc:
         if stopping():
             return None
         raise BrokerUnavailable(f"cannot connect to RabbitMQ at {where}: {exc!r}") from exc
+
+
+def _reply(exc: BaseException) -> str:
+    """pika's words for a refusal (the broker's reply text; never the password we sent)."""
+    return " ".join(str(arg) for arg in exc.args)[:200] or "no reason given"
 
 
 def close_quietly(connection: Any) -> None:

@@ -15,6 +15,9 @@ from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 
 from .config import RabbitConfig
 
+BODY_DROPPED_HEADER = "x-dead-letter-body-dropped"
+"""On a dead letter sent without its body, because the broker refused the full copy for
+good: why it refused it."""
 MAX_REASON = 1000
 """Reasons are cut to this many characters: headers must fit in one AMQP frame."""
 

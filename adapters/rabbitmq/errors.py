@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumerdedup import ConsumerDedupError, errors
+from consumerdedup import ConfigurationError, ConsumerDedupError, errors
 
 
 class RabbitError(ConsumerDedupError):
@@ -31,3 +31,13 @@ class ExchangeMissing(PublishFailed, errors.DestinationMissing):
 
 class PublishNacked(PublishFailed):
     """The broker refused the message (``basic.nack``) instead of confirming it."""
+
+
+class BrokerRefused(RabbitError, ConfigurationError):
+    """The broker answered and will not let this client in (credentials, a missing vhost,
+    no access, not an AMQP port): a setup fault retrying cannot fix, charged to no event."""
+
+
+class PublishRefused(PublishFailed):
+    """The broker refused this message for good (over ``max_message_size``, no access to the
+    exchange): publishing the same message again cannot succeed."""

@@ -21,7 +21,14 @@ from consumerdedup.retry import Backoff
 
 from .config import DEFAULT_URL
 from .connection import close_quietly, connect, parameters
-from .errors import BrokerUnavailable, ExchangeMissing, PublishFailed, PublishNacked, Unroutable
+from .errors import (
+    BrokerUnavailable,
+    ExchangeMissing,
+    PublishFailed,
+    PublishNacked,
+    PublishRefused,
+    Unroutable,
+)
 
 _names = itertools.count(1)
 PERSISTENT = pika.DeliveryMode.Persistent.value
@@ -42,6 +49,16 @@ def route(destination: str, key: str | None = None) -> tuple[str, str]:
     if not slash:
         return "", destination
     return exchange, routing_key or key or ""
+
+
+REFUSED_FOR_GOOD = {403, 406}
+"""Channel errors that refuse the message itself: ACCESS_REFUSED (no write right to the
+exchange), PRECONDITION_FAILED (over the broker's max_message_size, a bad property)."""
+
+
+def refusal(exc: Any) -> type[PublishFailed]:
+    """The error for a channel the broker closed on a publish: refused for good, or not."""
+    return PublishRefused if exc.reply_code in REFUSED_FOR_GOOD else PublishFailed
 
 
 class RabbitPublisher(Publisher):
@@ -128,7 +145,7 @@ class RabbitPublisher(Publisher):
         except pika.exceptions.ChannelClosedByBroker as exc:
             # A missing exchange (404) closes the channel: report it, reopen next time.
             self._channel = None
-            error = ExchangeMissing if exc.reply_code == 404 else PublishFailed
+            error = ExchangeMissing if exc.reply_code == 404 else refusal(exc)
             raise error(f"{exchange!r}: {exc.reply_text}") from exc
 
     def _open(self) -> None:
@@ -152,6 +169,11 @@ class RabbitPublisher(Publisher):
             self._drop()
 
     def __enter__(self) -> RabbitPublisher:
+        """Connect now: a broker that refuses us (BrokerRefused, a ConfigurationError) or is
+        away (BrokerUnavailable) is said here, before the relay claims any event."""
+        with self._lock:
+            if self._channel is None or not self._channel.is_open:
+                self._open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -18,8 +19,16 @@ from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
 from .connection import close_quietly, connect, parameters
-from .convert import Delivery, dead_letter_properties, to_message
-from .errors import TopologyError
+from .convert import BODY_DROPPED_HEADER, Delivery, dead_letter_properties, to_message
+from .errors import (
+    ExchangeMissing,
+    PublishFailed,
+    PublishNacked,
+    PublishRefused,
+    TopologyError,
+    Unroutable,
+)
+from .publisher import refusal
 
 log = logging.getLogger("consumerdedup.rabbitmq")
 
@@ -218,40 +227,80 @@ class RabbitConsumerRunner(ConsumerRunner):
             channel.basic_nack(delivery.tag, requeue=True)
 
     def _dead_letter(self, connection: Any, delivery: Delivery, reason: str) -> bool:
-        """Publish a copy with the reason to the dead-letter queue; True once it is confirmed.
+        """Publish a copy with the reason to the dead-letter queue; True once it is confirmed,
+        or once it can never be: a refusal for good (over the broker's max_message_size, no
+        access) must not hold the queue, so a copy without the body goes, and if that is
+        refused too the loss is logged at ERROR (the FAILED record is kept). False for a
+        failure that may pass (no DLQ or exchange yet, a nack): the message backs off.
 
-        On a channel of its own: a refused publish (no such exchange: 404) closes that
-        channel only, so the consuming channel keeps its deliveries and can still ack the
-        batch-mates and give this one back.
+        On a channel of its own: a refused publish closes that channel only, so the
+        consuming channel keeps its deliveries and can still ack the batch-mates.
         """
         properties = dead_letter_properties(delivery, reason, self.driver.consumer, self.queue)
+        refused = self._publish_dead_letter(connection, delivery.body, properties)
+        if refused is None:
+            return True
+        if not isinstance(refused, PublishRefused):
+            self._log_unsent(refused)
+            return False
+        stripped = copy.copy(properties)
+        stripped.headers = {**properties.headers, BODY_DROPPED_HEADER: str(refused)[:1000]}
+        again = self._publish_dead_letter(connection, b"", stripped)
+        if again is None:
+            log.error(
+                "dead-lettered a message of %r to %r without its body, which was refused: %s",
+                self.queue,
+                self.dead_letter_queue,
+                refused,
+            )
+            return True
+        if not isinstance(again, PublishRefused):
+            self._log_unsent(again)
+            return False
+        log.error(
+            "cannot dead-letter a message of %r to %r, not even without its body (%s; then "
+            "%s): it is not dead-lettered, its FAILED record is kept",
+            self.queue,
+            self.dead_letter_queue,
+            refused,
+            again,
+        )
+        return True
+
+    def _publish_dead_letter(
+        self, connection: Any, body: bytes, properties: Any
+    ) -> PublishFailed | None:
+        """Publish and wait for the confirm; the failure, if any, as one of our errors."""
         exchange = self.config.dead_letter_exchange
         try:
             if self._dead_letters is None or not self._dead_letters.is_open:
                 self._dead_letters = connection.channel()
                 self._dead_letters.confirm_delivery()
             self._dead_letters.basic_publish(
-                exchange, self.dead_letter_queue, delivery.body, properties, mandatory=True
+                exchange, self.dead_letter_queue, body, properties, mandatory=True
             )
-        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
-            log.error(
-                "cannot dead-letter a message of %r to %r (%r); it stays in the queue for "
-                "redelivery: declare the dead-letter queue (RabbitConfig(declare=True))",
-                self.queue,
-                self.dead_letter_queue,
-                exc,
+        except pika.exceptions.UnroutableError:
+            return Unroutable(
+                f"the dead-letter queue {self.dead_letter_queue!r} is not there: declare it "
+                "(RabbitConfig(declare=True))"
             )
-            return False
+        except pika.exceptions.NackError:
+            return PublishNacked(f"the broker refused a dead letter to {exchange!r}")
         except pika.exceptions.ChannelClosedByBroker as exc:
-            log.error(
-                "cannot dead-letter a message of %r through exchange %r (%s); it stays in the "
-                "queue for redelivery: declare the exchange (RabbitConfig(declare=True))",
-                self.queue,
-                exchange,
-                exc.reply_text,
-            )
-            return False
-        return True
+            if exc.reply_code == 404:
+                return ExchangeMissing(
+                    f"{exchange!r}: {exc.reply_text}: declare the exchange "
+                    "(RabbitConfig(declare=True))"
+                )
+            return refusal(exc)(f"{exchange!r}: {exc.reply_code} {exc.reply_text}")
+        return None
+
+    def _log_unsent(self, error: PublishFailed) -> None:
+        log.error(
+            "cannot dead-letter a message of %r (%s); it stays in the queue for redelivery",
+            self.queue,
+            error,
+        )
 
     def _backoff(self, messages: Sequence[Message]) -> float:
         """The longest wait of ``messages``, each by its RETRYs in a row."""

@@ -77,15 +77,22 @@ def _publisher(args: argparse.Namespace) -> Publisher | AsyncPublisher:
     except ImportError as error:
         raise UsageError(describe(error)) from None
     publisher: Publisher | AsyncPublisher
-    if args.kafka:
-        publisher = adapter.KafkaPublisher(args.kafka, enable_idempotence=not args.no_idempotence)
-    else:
-        args.secrets.add_url(args.rabbitmq)
-        publisher = adapter.RabbitPublisher(args.rabbitmq)
+    # A bad address is the command line's fault, said now (exit 2), not charged to events.
+    try:
+        if args.kafka:
+            publisher = adapter.KafkaPublisher(
+                args.kafka, enable_idempotence=not args.no_idempotence
+            )
+        else:
+            args.secrets.add_url(args.rabbitmq)
+            publisher = adapter.RabbitPublisher(args.rabbitmq)
+    except ConfigurationError as error:
+        raise UsageError(f"--{broker}: {error}") from None
     return publisher
 
 
 def run(args: argparse.Namespace) -> int:
+    publisher = _publisher(args)  # before the database: a bad address is said first
     url, engine, tables = open_database(args)
     try:
         config = RelayConfig(
@@ -97,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
     require_tables(engine, tables)
-    publisher = _publisher(args)
     with OutboxRelay(engine, publisher, tables=tables, config=config) as relay:
         if args.once:
             count = relay.drain()

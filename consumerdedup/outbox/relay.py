@@ -120,6 +120,8 @@ class OutboxRelay(StopSwitch):
 
     def _round(self, conn: Any, rows: list[Any]) -> int:
         """Publish ``rows`` in order, then mark what became of them; returns the count sent."""
+        if rows and not self._open_publisher():
+            return 0  # the broker is away: nothing is charged, the round backs off
         done: list[int] = []
         failed: list[tuple[Any, BaseException]] = []
         held_keys: set[str] = set()
@@ -153,12 +155,18 @@ class OutboxRelay(StopSwitch):
 
     def run(self) -> None:
         """Publish until stop(): rounds back to back while there is work, else wait for news."""
-        listener = Listener(self.engine, self.tables.notify_channel)
+        listener = Listener(self.engine, self.tables.outbox, self.tables.notify_channel)
         failures = 0
         try:
+            # LISTEN before the first round: a row committed after the round's claim would
+            # otherwise wake nobody, and wait the whole poll interval.
+            listener.listen()
+            self._open_publisher()  # a publisher that cannot start stops run() here
             while not self.stopping:
                 try:
                     count = self.run_once()
+                except ConfigurationError:
+                    raise  # a setup fault (the publisher cannot start): retrying cannot help
                 except Exception as exc:  # the database went away: keep trying
                     failures += 1
                     logger.warning("relay round failed (%s); retrying", describe(exc))
@@ -214,6 +222,29 @@ class OutboxRelay(StopSwitch):
     def backlog(self) -> int:
         with self.engine.connect() as conn:
             return self.statements.backlog(conn, self.config.max_attempts)
+
+    def _open_publisher(self) -> bool:
+        """Start the publisher (at run(), else before the first publish); False if its broker
+        is away (the round backs off).
+
+        A publisher that cannot start is the relay's fault, not an event's: no attempt is
+        charged. A broker that does not answer is transient; anything else (a refused
+        handshake, bad credentials, an error we cannot place) stops the relay with a
+        ConfigurationError that says what to change.
+        """
+        try:
+            self.sender.open()
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ConnectionError | TimeoutError):
+                self._broker_trouble = True
+                logger.warning("cannot start the publisher: %s; backing off", describe(exc))
+                return False
+            raise ConfigurationError(
+                f"the relay's publisher cannot start: {describe(exc)}"
+            ) from exc
+        return True
 
     def _publish(self, row: Any) -> BaseException | None:
         try:

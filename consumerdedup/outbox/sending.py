@@ -39,20 +39,30 @@ class Sender:
                 "(await asyncio.to_thread(relay.run_once), or relay.run)"
             )
 
+    def open(self) -> None:
+        """Enter the publisher's context (start its producer, connect) if not entered yet.
+
+        Before any row is claimed: what this raises is the publisher's own fault (an
+        address, credentials, a feature the broker lacks), never an event's.
+        """
+        if self._entered:
+            return
+        publisher = self.publisher
+        if isinstance(publisher, AsyncPublisher):
+            self._await(publisher.__aenter__())
+        else:
+            publisher.__enter__()
+        self._entered = True
+
     def publish(
         self, destination: str, body: bytes, key: str | None, headers: Mapping[str, str]
     ) -> None:
         """Enter the publisher's context if need be, then publish and wait for the broker."""
+        self.open()
         publisher = self.publisher
         if isinstance(publisher, AsyncPublisher):
-            if not self._entered:
-                self._await(publisher.__aenter__())
-                self._entered = True
             self._await(publisher.publish(destination, body, key, headers))
         else:
-            if not self._entered:
-                publisher.__enter__()
-                self._entered = True
             publisher.publish(destination, body, key, headers)
 
     def close(self) -> None:

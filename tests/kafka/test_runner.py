@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from aiokafka.errors import (
-    ClusterAuthorizationFailedError,
     NotEnoughReplicasError,
     OutOfOrderSequenceNumber,
     UnknownProducerId,
@@ -297,12 +296,14 @@ async def _true(value: bool) -> bool:
     return value
 
 
-async def test_a_dead_letter_that_cannot_be_sent_is_not_committed_and_comes_again(
-    ledger: Ledger, tmp_path: Path
+async def test_a_dead_letter_the_broker_refuses_for_good_does_not_hold_the_partition(
+    ledger: Ledger, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The broker itself refuses every record on the dead-letter topic (a broker of the
-    test's own, whose schema registry no record passes): the poison message is not
-    committed, it comes again, and nothing behind it commits before it."""
+    test's own, whose schema registry no record passes; aiokafka's error is not retriable):
+    sending it again can never succeed, so the copy without the value is tried, refused too,
+    the loss is logged at ERROR, and the partition goes on; the FAILED record is kept, so
+    the failure stays listed. (It used to be read again forever: issue 17, item 8.)"""
     topic = f"cdd-dlqdown-{uuid.uuid4().hex[:10]}"
     async with refusing_broker(tmp_path, [topic + ".dlq"]) as broker:
         await broker.create(name=topic)
@@ -311,32 +312,26 @@ async def test_a_dead_letter_that_cannot_be_sent_is_not_committed_and_comes_agai
         await broker.produce(topic, body(3), event_id="m-3")
         group = "group-" + topic
         refused = runner(broker.service, ledger.handle, topic)
-        task = asyncio.create_task(refused.run())
-        await wait_for(lambda: _true(len(ledger.applied()) == 2), "m-1 and m-3 to be applied")
-        await wait_for(lambda: _true(refused.outcomes[Outcome.FAILED] >= 3), "m-2 to come again")
-        assert await broker.committed(group, topic) == {0: 1}  # held at the unsent dead letter
-        assert await broker.records(topic + ".dlq") == []
-        refused.stop()
-        await asyncio.wait_for(task, 30)
-
-        # The operator sends dead letters somewhere the broker takes them.
-        parked = runner(broker.service, ledger.handle, topic, dead_letter_topic="{topic}.parked")
-        await parked.run(until_idle=True)
-        [dead] = await broker.records(topic + ".parked")
-        # The failure was recorded the first time; the redelivery carries the first reason.
-        assert headers_of(dead)[REASON_HEADER] == b"RecordedFailure: PermanentError: poison"
-        assert sorted(ledger.applied()) == ["m-1", "m-3"]
+        await asyncio.wait_for(refused.run(until_idle=True), 60)
+        assert ledger.applied() == ["m-1", "m-3"]
         assert await broker.committed(group, topic) == {0: 3}
+        assert await broker.records(topic + ".dlq") == []
+        assert refused.outcomes[Outcome.FAILED] == 1  # not read again
+        assert "m-2" in ledger.recorded()
+        [lost] = [r for r in caplog.records if "not even without its value" in r.getMessage()]
+        assert lost.levelname == "ERROR" and "FAILED record is kept" in lost.getMessage()
 
 
-async def test_the_default_dead_letter_producer_is_idempotent_and_a_refusal_loses_nothing(
+async def test_the_default_dead_letter_producer_is_idempotent_and_a_refusal_stops_run(
     kafka: KafkaService, topics: Topics, ledger: Ledger
 ) -> None:
     """KafkaConfig() as shipped: the dead-letter producer asks for idempotence. A broker that
     grants it takes the dead letter. Tansu 0.6 refuses InitProducerId (no idempotent
-    producer): a real refusal, so the poison message is held and read again, nothing behind
-    it is committed, and a runner with idempotent_producer=False then sends it. (The
-    idempotent producer on a broker that grants it, and its errors: the next test.)"""
+    producer): a setup fault, so run() raises at once a ConfigurationError naming
+    idempotent_producer=False, before any record is handled (it used to start, then hold
+    the partition at the first dead letter); a runner with idempotent_producer=False then
+    handles and dead-letters everything. (The idempotent producer on a broker that grants
+    it, and its errors: the next test.)"""
     assert KafkaConfig().idempotent_producer is True
     topic = await topics.create("idem")
     await topics.produce(topic, body(1), event_id="m-1")
@@ -357,30 +352,29 @@ async def test_the_default_dead_letter_producer_is_idempotent_and_a_refusal_lose
         assert headers_of(dead)[REASON_HEADER] == b"PermanentError: poison"
         assert await topics.committed(group, topic) == {0: 3}
         return
-    task = asyncio.create_task(shipped.run())
-    await wait_for(lambda: _true(shipped.outcomes[Outcome.FAILED] >= 3), "m-2 to come again")
-    assert await topics.committed(group, topic) == {0: 1}  # held at the unsent dead letter
-    assert await topics.records(topic + ".dlq") == []
-    assert sorted(ledger.applied()) == ["m-1", "m-3"]
-    shipped.stop()
-    await asyncio.wait_for(task, 30)
+    with pytest.raises(ConfigurationError, match=r"idempotent_producer=False"):
+        await asyncio.wait_for(shipped.run(), 60)
+    assert ledger.applied() == [] and ledger.recorded() == set()
+    assert await topics.committed(group, topic) == {0: 0}
 
     await runner(kafka, ledger.handle, topic, idempotent_producer=False).run(until_idle=True)
     [dead] = await topics.records(topic + ".dlq")
-    assert headers_of(dead)[REASON_HEADER] == b"RecordedFailure: PermanentError: poison"
+    assert headers_of(dead)[REASON_HEADER] == b"PermanentError: poison"
+    assert sorted(ledger.applied()) == ["m-1", "m-3"]
     assert await topics.committed(group, topic) == {0: 3}
 
 
 @pytest.mark.parametrize(
     "script",
     [
-        # What a broker that grants idempotence can answer: IdempotentWrite not allowed at
-        # InitProducerId, the sequence broken, too few in-sync replicas (retriable).
-        [("start", ClusterAuthorizationFailedError())],
+        # What a broker that grants idempotence can answer: the sequence broken (the
+        # producer's session, not the record: a new producer sends it), too few in-sync
+        # replicas (retriable). IdempotentWrite not allowed at InitProducerId stops run():
+        # tests/kafka/test_round3.py.
         [("send", OutOfOrderSequenceNumber()), ("send", UnknownProducerId())],
         [("send", NotEnoughReplicasError())],
     ],
-    ids=["init-producer-id-refused", "sequence-errors", "not-enough-replicas"],
+    ids=["sequence-errors", "not-enough-replicas"],
 )
 async def test_the_idempotent_dead_letter_producer_on_a_broker_that_grants_it(
     kafka: KafkaService,

@@ -24,6 +24,7 @@ from consumerdedup import (
 )
 from consumerdedup.adapters.rabbitmq import (
     SOURCE_HEADER,
+    BrokerRefused,
     BrokerUnavailable,
     RabbitConfig,
     RabbitConsumerRunner,
@@ -328,8 +329,11 @@ def test_wrong_credentials_are_reported_at_once(db: Any, amqp_url: str) -> None:
     handler = dedup.handler(lambda message, session: None)
     params = pika.URLParameters(amqp_url)
     url = f"amqp://nobody:wrong@{params.host}:{params.port}/%2F"
-    with pytest.raises(BrokerUnavailable, match="refused"):
+    # A setup fault (issue 17, item 10): a ConfigurationError, no longer a BrokerUnavailable,
+    # which the outbox relay would take for an outage and retry forever.
+    with pytest.raises(BrokerRefused, match="refused the connection") as refused:
         RabbitConsumerRunner(handler, "q", url=url).run()
+    assert isinstance(refused.value, ConfigurationError) and "wrong" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
