@@ -6,16 +6,21 @@ from __future__ import annotations
 import calendar
 import datetime as dt
 import decimal
+import subprocess
 import time
 from typing import Any
 
 import pika
+import pika.exceptions
 import pika.spec
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from pika.adapters.blocking_connection import BlockingChannel
+from sqlalchemy import text
 
-from consumerdedup import Message
-from consumerdedup.adapters.rabbitmq import RabbitConfig
+from consumerdedup import Message, Outcome
+from consumerdedup.adapters.rabbitmq import BODY_DROPPED_HEADER, RabbitConfig, RabbitConsumerRunner
 from consumerdedup.adapters.rabbitmq.convert import Delivery, dead_letter_properties, to_message
 from tests.rabbitmq.test_runner import Consumer, body, dead_letters
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
@@ -133,3 +138,110 @@ def test_a_header_timestamp_python_cannot_hold_does_not_stop_the_queue(
     [second] = [m for m in consumer.seen if m.id == "m-2"]
     assert second.headers["sent"] == str(calendar.timegm(FarFuture(2020, 1, 1).utctimetuple()))
     assert rabbit.held(queue) == 0 and dead_letters(rabbit, queue) == []
+
+
+# -- item 8: a dead letter that can never be sent ---------------------------------------------
+
+
+def run_until_settled(consumer: Consumer, rabbit: Broker, queue: str, applied: int) -> None:
+    """Run the consumer in a thread until ``applied`` messages are applied and the queue is
+    empty; fail within 20 s, saying where it stood (a message held forever never settles)."""
+    stop = consumer.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(consumer.applied()) < applied or rabbit.ready(queue) > 0:
+            assert time.monotonic() < deadline, (
+                f"not settled: applied {consumer.applied()}, {rabbit.ready(queue)} ready, "
+                f"{consumer.runner.outcomes}"
+            )
+            time.sleep(0.05)
+    finally:
+        stop()
+    failed = consumer.runner.outcomes[Outcome.FAILED]
+    assert failed == 1, f"the refused message came back {failed - 1} time(s): it was held"
+    assert rabbit.held(queue) == 0
+
+
+def test_a_dead_letter_over_the_brokers_size_limit_goes_without_its_body(
+    db: Any, rabbit: Broker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RabbitMQ closes the channel with 406 PRECONDITION_FAILED for a message over its
+    max_message_size (a broker-wide setting, so a double raises pika's own error for copies
+    over 1,000 bytes). The copy used to be given back and retried forever; now a copy without
+    the body goes, for real, saying why, and the queue moves on."""
+    queue = rabbit.queue()
+    rabbit.publish(queue, body(n=1), "m-1")
+    rabbit.publish(queue, body(refuse="poison", pad="x" * 5000), "m-2", headers={"trace": "t"})
+    rabbit.publish(queue, body(n=3), "m-3")
+    real = BlockingChannel.basic_publish
+
+    def limited(self: Any, exchange: str, routing_key: str, body: bytes, *a: Any, **k: Any) -> Any:
+        if len(body) > 1000:
+            raise pika.exceptions.ChannelClosedByBroker(
+                406,
+                f"PRECONDITION_FAILED - message size {len(body)} is larger than "
+                "configured max size 1000",
+            )
+        return real(self, exchange, routing_key, body, *a, **k)
+
+    monkeypatch.setattr(BlockingChannel, "basic_publish", limited)
+    consumer = Consumer(db, rabbit, queue)
+    run_until_settled(consumer, rabbit, queue, 2)
+    monkeypatch.undo()
+    assert sorted(consumer.applied()) == ["m-1", "m-3"]
+    [(props, content)] = dead_letters(rabbit, queue)
+    assert content == b"" and props.message_id == "m-2" and props.headers["trace"] == "t"
+    assert props.headers["x-dead-letter-reason"] == "PermanentError: poison"
+    assert "PRECONDITION_FAILED" in props.headers[BODY_DROPPED_HEADER]
+    assert any(
+        r.levelname == "ERROR" and "without its body" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_dead_letter_exchange_we_may_not_write_does_not_hold_the_queue(
+    db: Any, rabbit: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real refusal: the runner's user has no write permission on the dead-letter exchange
+    (rabbitmqctl set_permissions), so the broker answers 403 ACCESS_REFUSED to the copy and to
+    the copy without body. The loss is logged at ERROR, the FAILED record is kept, the message
+    is acked and the queue moves on (it used to be given back and retried forever)."""
+    queue = rabbit.queue()
+    exchange = rabbit.name("deny")
+    rabbit.channel.exchange_declare(exchange, exchange_type="direct", durable=True)
+    rabbit.channel.queue_bind(queue + ".dlq", exchange, routing_key=queue + ".dlq")
+    user = rabbit.name("user")
+    ctl = ["rabbitmqctl", "--quiet"]
+    subprocess.run([*ctl, "add_user", user, "pw"], check=True, capture_output=True, timeout=60)
+    try:
+        subprocess.run(
+            [*ctl, "set_permissions", "-p", "/", user, ".*", f"^(?!{exchange}$).*", ".*"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        rabbit.publish(queue, body(n=1), "m-1")
+        rabbit.publish(queue, body(refuse="poison"), "m-2")
+        rabbit.publish(queue, body(n=3), "m-3")
+        consumer = Consumer(db, rabbit, queue)
+        params = pika.URLParameters(rabbit.url)
+        url = f"amqp://{user}:pw@{params.host}:{params.port}/%2F"
+        config = RabbitConfig(
+            idle_timeout=dt.timedelta(milliseconds=300),
+            retry_delay=dt.timedelta(0),
+            dead_letter_exchange=exchange,
+        )
+        consumer.runner = RabbitConsumerRunner(
+            consumer.runner.handler, queue, url=url, config=config
+        )
+        run_until_settled(consumer, rabbit, queue, 2)
+    finally:
+        subprocess.run([*ctl, "delete_user", user], capture_output=True, timeout=60)
+    assert sorted(consumer.applied()) == ["m-1", "m-3"]
+    assert dead_letters(rabbit, queue) == []
+    [lost] = [r for r in caplog.records if "not even without its body" in r.getMessage()]
+    assert lost.levelname == "ERROR" and "ACCESS_REFUSED" in lost.getMessage()
+    with db.engine.connect() as conn:
+        outcome = conn.execute(
+            text(f"SELECT outcome FROM {db.name('processed_events')} WHERE message_id = 'm-2'")
+        ).scalar()
+    assert outcome == "failed"
