@@ -17,11 +17,19 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pika.adapters.blocking_connection import BlockingChannel
-from sqlalchemy import text
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
 
-from consumerdedup import Message, Outcome
-from consumerdedup.adapters.rabbitmq import BODY_DROPPED_HEADER, RabbitConfig, RabbitConsumerRunner
+from consumerdedup import ConfigurationError, Message, Outbox, OutboxRelay, Outcome
+from consumerdedup.adapters.rabbitmq import (
+    BODY_DROPPED_HEADER,
+    BrokerRefused,
+    RabbitConfig,
+    RabbitConsumerRunner,
+    RabbitPublisher,
+)
 from consumerdedup.adapters.rabbitmq.convert import Delivery, dead_letter_properties, to_message
+from tests.cli.test_relay import relay_command
 from tests.rabbitmq.test_runner import Consumer, body, dead_letters
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
@@ -245,3 +253,63 @@ def test_a_dead_letter_exchange_we_may_not_write_does_not_hold_the_queue(
             text(f"SELECT outcome FROM {db.name('processed_events')} WHERE message_id = 'm-2'")
         ).scalar()
     assert outcome == "failed"
+
+
+# -- item 10: a publisher that cannot start is the relay's fault ------------------------------
+
+
+def test_a_relay_whose_rabbitmq_refuses_its_credentials_stops_and_charges_no_event(
+    db: Any, amqp_url: str
+) -> None:
+    """Wrong credentials used to read as BrokerUnavailable: the relay backed off and tried
+    again forever. Now RabbitPublisher connects when the relay enters it, and the refusal
+    (BrokerRefused, a ConfigurationError) stops run_once and run; no event is charged."""
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session, session.begin():
+        outbox.add(session, "orders", b"e", key="k")
+    params = pika.URLParameters(amqp_url)
+    url = f"amqp://nobody:wrong@{params.host}:{params.port}/%2F"
+    for step in ("run_once", "run"):
+        relay = OutboxRelay(db.engine, RabbitPublisher(url), tables=db.tables)
+        with pytest.raises(BrokerRefused, match="refused the connection") as refused:
+            getattr(relay, step)()
+        relay.close()
+        assert isinstance(refused.value, ConfigurationError)
+        assert "wrong" not in str(refused.value)
+    ob = db.tables.outbox
+    with db.engine.connect() as conn:
+        assert conn.execute(select(ob.c.attempts, ob.c.last_error)).all() == [(0, None)]
+
+
+def test_a_rabbitmq_url_that_is_not_amqp_is_refused_at_construction() -> None:
+    for url in ("localhost:9092", "http://guest:secret@host:15672/", "kafka://host:9092"):
+        with pytest.raises(ConfigurationError, match="amqp://") as refused:
+            RabbitPublisher(url)
+        assert "secret" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("option", "address"),
+    [("--kafka", "amqp://guest:secret@host:5672/"), ("--rabbitmq", "host:9092")],
+)
+def test_the_relay_command_refuses_an_address_for_the_other_broker(
+    db: Any, option: str, address: str
+) -> None:
+    """``consumerdedup relay --kafka amqp://host:5672/`` used to charge 'invalid literal for
+    int()' to each event and park them: now one line naming the option, exit 2, no event
+    charged (and the address's password is not printed)."""
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session, session.begin():
+        outbox.add(session, "orders", b"e", key="k")
+    done = subprocess.run(
+        relay_command(db, option, address, "--once", "--no-idempotence"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"consumerdedup: error: {option}:") and "secret" not in line
+    ob = db.tables.outbox
+    with db.engine.connect() as conn:
+        assert conn.execute(select(ob.c.attempts)).scalars().all() == [0]
