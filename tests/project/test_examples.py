@@ -45,3 +45,11 @@ def test_memory_consumer() -> None:
 
 def test_async_postgres(postgres_url: str) -> None:
     assert "shipments: 50" in run("async_postgres.py", CONSUMERDEDUP_DB_URL=postgres_url)
+
+
+def test_http_payments(postgres_url: str) -> None:
+    """13 calls with one key (a retry, ten at once, another body) charge once; the relay
+    publishes each payment's event; the consumer applies each once despite duplicates."""
+    out = run("http_payments.py", CONSUMERDEDUP_DB_URL=postgres_url)
+    assert "13 requests, 10 replayed: payments 2" in out, out
+    assert "events published: 2" in out and "balances: alice 25, bob 40" in out, out
