@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_kafka.py
 	$(BIN)/python bench/bench_relay.py
 	$(BIN)/python bench/bench_pruner.py
+	$(BIN)/python bench/bench_http.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
