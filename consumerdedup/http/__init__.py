@@ -24,6 +24,7 @@ from .store import (
     TransactionalStore,
 )
 from .stored import StoredResponse
+from .wsgi import WSGIIdempotencyMiddleware
 
 __all__ = [
     "SESSION_KEY",
@@ -45,6 +46,7 @@ __all__ = [
     "SqlStore",
     "StoredResponse",
     "TransactionalStore",
+    "WSGIIdempotencyMiddleware",
     "default_fingerprint",
     "idempotent",
     "json_fields",
