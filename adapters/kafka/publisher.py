@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -140,7 +141,9 @@ class KafkaPublisher(AsyncPublisher):
         """The error to raise for ``exc``: the broker away, the topic missing, or a refusal."""
         reason = f"cannot publish to {topic!r}: {describe(exc)}"
         if isinstance(exc, PRODUCER_STATE):
-            await self.stop()  # the next send starts a new producer
+            with contextlib.suppress(Exception):  # a broken producer may not stop politely
+                await self.stop()  # the next send starts a new producer
+            self._producer = None
             return PublishFailed(reason)
         # Retriable errors and timeouts mean "not now"; the others "never, for this record".
         if not (getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError)):

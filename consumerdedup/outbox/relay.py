@@ -252,6 +252,8 @@ class OutboxRelay(StopSwitch):
             # failure (and holds its key), never the round's.
             headers = _headers(row)
             self.sender.publish(row.destination, row.body, row.key, headers)
+        except ConfigurationError:
+            raise  # the publisher cannot (re)start: the relay's fault, never the event's
         except Exception as exc:
             if not isinstance(exc, DestinationMissing) and classify(exc) is ErrorKind.TRANSIENT:
                 self._broker_trouble = True  # the broker is away: end the round, back off

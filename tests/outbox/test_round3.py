@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.engine import make_url
 
-from consumerdedup import OutboxRelay, RelayConfig
+from consumerdedup import ConfigurationError, OutboxRelay, Publisher, RelayConfig
 from consumerdedup.lifecycle import StopSwitch
 from consumerdedup.outbox.listener import Listener
 from consumerdedup.schema import Tables
@@ -103,3 +103,21 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float) -> None
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.01)
+
+
+def test_a_publisher_that_cannot_restart_mid_round_stops_the_relay_and_charges_nothing(
+    db: Any,
+) -> None:
+    """A publisher that started, lost its producer and cannot start it again (a
+    ConfigurationError from publish: KafkaPublisher rebuilding after a sequence error on a
+    broker that now refuses it) is a setup fault: run_once raises it and no row is charged."""
+
+    class Refusing(Publisher):
+        def publish(self, *args: Any, **kwargs: Any) -> None:
+            raise ConfigurationError("the broker refused the producer: change a setting")
+
+    add_events(db, [("a1", "a"), ("b1", "b")])
+    relay = OutboxRelay(db.engine, Refusing(), tables=db.tables, config=QUICK)
+    with pytest.raises(ConfigurationError, match="change a setting"):
+        relay.run_once()
+    assert [(row.attempts, row.last_error) for row in outbox_rows(db)] == [(0, None)] * 2

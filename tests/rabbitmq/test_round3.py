@@ -313,3 +313,16 @@ def test_the_relay_command_refuses_an_address_for_the_other_broker(
     ob = db.tables.outbox
     with db.engine.connect() as conn:
         assert conn.execute(select(ob.c.attempts)).scalars().all() == [0]
+
+
+def test_both_adapters_name_the_new_routes_alike() -> None:
+    """Twins: the same header on a dead letter sent without its body, the same error names
+    for a refusal for good and for a broker that will not let the client start."""
+    from consumerdedup.adapters import kafka, rabbitmq
+
+    assert kafka.BODY_DROPPED_HEADER == rabbitmq.BODY_DROPPED_HEADER
+    for adapter in (kafka, rabbitmq):
+        assert issubclass(adapter.BrokerRefused, ConfigurationError)
+        assert not issubclass(adapter.BrokerRefused, ConnectionError)  # never retried
+        assert issubclass(adapter.PublishRefused, adapter.PublishFailed)
+        assert {"BODY_DROPPED_HEADER", "BrokerRefused", "PublishRefused"} <= set(adapter.__all__)
