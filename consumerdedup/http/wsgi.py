@@ -20,7 +20,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine
@@ -29,22 +29,21 @@ from sqlalchemy.orm import Session
 from ..errors import ConfigurationError
 from ..schema import DEFAULT, Tables
 from . import flow
+from .asgi import SESSION_KEY  # the same key in the WSGI environ as in the ASGI scope
 from .policy import IdempotencyPolicy, RoutePolicy
 from .sql_statements import is_lock_timeout
 from .sql_store import SqlStore
 from .store import Claimed, ClaimResult, InFlight
 from .stored import REPLAYED_HEADER, StoredResponse
 from .transactional import hold_commits
+from .wsgi_held import HeldResponse, LeaseRenewer, read_exactly
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Callable[[bytes], object]]
 WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 Principal = Callable[[Mapping[str, Any]], "str | None"]
 
-SESSION_KEY = "consumerdedup.session"
-"""Where a transactional endpoint finds the request's Session in the WSGI environ."""
 log = logging.getLogger("consumerdedup.http")
-_READ_CHUNK = 64 * 1024
 _HEADERS_WITHOUT_PREFIX = {"CONTENT_TYPE": "content-type", "CONTENT_LENGTH": "content-length"}
 
 
@@ -161,7 +160,7 @@ class _Exchange:
         self.session: Session | None = None
         self.held: flow.Claim | None = None
         self.token = ""
-        self.response: _Captured | None = None
+        self.response: HeldResponse | None = None
         self.allow_commit: Callable[[], None] | None = None
 
     def drive(self, steps: Any) -> Iterable[bytes]:
@@ -214,11 +213,11 @@ class _Exchange:
                 length = -1
             if length < 0 or length > limit:
                 return None  # an unreadable length is refused like an oversized one (413)
-            body = _read(stream, length)
+            body = read_exactly(stream, length)
             if len(body) < length:
                 raise _ClientGone()
         elif self.environ.get("wsgi.input_terminated"):
-            body = _read(stream, limit + 1)
+            body = read_exactly(stream, limit + 1)
             if len(body) > limit:
                 return None
         else:
@@ -258,8 +257,13 @@ class _Exchange:
         if self.session is not None:
             environ[SESSION_KEY] = self.session
             self.allow_commit = hold_commits(self.session)
-        self.response = captured = _Captured(policy.max_stored_body)
-        renewer = None if policy.transactional else _Renewer(self, policy)
+        self.response = captured = HeldResponse(policy.max_stored_body)
+        renewer = None
+        if not policy.transactional:
+            assert self.held is not None
+            held = self.held
+            store = self.owner.store
+            renewer = LeaseRenewer(store, held.scope, held.key, self.token, policy.lease)
         try:
             captured.collect(self.owner.app(environ, captured.start_response))
         except Exception as error:
@@ -345,127 +349,6 @@ class _Exchange:
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
-
-
-class _Renewer:
-    """Renews the claim every third of its lease while the app runs (in a thread of its own)."""
-
-    def __init__(self, exchange: _Exchange, policy: RoutePolicy) -> None:
-        self.exchange = exchange
-        self.policy = policy
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.loop, name="idempotency-renew", daemon=True)
-        self.thread.start()
-
-    def loop(self) -> None:
-        held, store = self.exchange.held, self.exchange.owner.store
-        assert held is not None
-        every = self.policy.lease.total_seconds() / 3
-        while not self.stopped.wait(every):
-            try:
-                kept = store.renew(held.scope, held.key, self.exchange.token, self.policy.lease)
-            except Exception:
-                log.exception("idempotency lease renewal failed for %s", held.scope)
-                continue
-            if not kept:
-                log.warning("idempotency claim lost %s: its lease ran out", held.scope)
-                return
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join()
-
-
-class _Captured:
-    """The app's response held back: status, headers, and body up to ``limit`` bytes; past
-    it the rest stays in the app's iterator until the not-stored record is written."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.status_line: str | None = None
-        self.headers: list[tuple[str, str]] = []
-        self.exc_info: Any = None
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.overflowed = False
-        self.error: BaseException | None = None
-        self.iterator: Iterator[bytes] | None = None
-        self._result: Iterable[bytes] | None = None
-
-    @property
-    def status(self) -> int | None:
-        return int(self.status_line.split(" ", 1)[0]) if self.status_line else None
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
-
-    def start_response(
-        self, status: str, headers: list[tuple[str, str]], exc_info: Any = None
-    ) -> Callable[[bytes], object]:
-        # Nothing has left yet, so a second call (with exc_info, PEP 3333) replaces the first.
-        if self.status_line is not None and exc_info is None:
-            raise AssertionError("start_response called twice without exc_info")
-        self.status_line, self.headers, self.exc_info = status, list(headers), None
-        return self.write
-
-    def write(self, chunk: bytes) -> None:
-        """The legacy write() callable: held back like the iterable's chunks."""
-        self.add(chunk)
-
-    def add(self, chunk: bytes) -> None:
-        self.chunks.append(chunk)
-        self.size += len(chunk)
-        if self.size > self.limit:
-            self.overflowed = True
-
-    def collect(self, result: Iterable[bytes]) -> None:
-        self._result = result
-        self.iterator = iter(result)
-        for chunk in self.iterator:
-            self.add(chunk)
-            if self.overflowed:
-                return  # the rest is sent after the not-stored record is written
-        self.close()
-
-    def rest(self) -> Iterable[bytes]:
-        """What the server sends: the chunks held, then (after an overflow) the app's rest."""
-        if not self.overflowed:
-            return self.chunks
-        return _Streamed(self)
-
-    def close(self) -> None:
-        result, self._result = self._result, None
-        close = getattr(result, "close", None)
-        if close is not None:
-            close()
-
-
-class _Streamed:
-    """An overflowed response: held chunks, then the app's iterator; close() reaches the app."""
-
-    def __init__(self, captured: _Captured) -> None:
-        self.captured = captured
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self.captured.chunks
-        if self.captured.iterator is not None:
-            yield from self.captured.iterator
-
-    def close(self) -> None:
-        self.captured.close()
-
-
-def _read(stream: Any, length: int) -> bytes:
-    chunks: list[bytes] = []
-    left = length
-    while left > 0:
-        chunk = stream.read(min(left, _READ_CHUNK))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 __all__ = ["SESSION_KEY", "WSGIIdempotencyMiddleware"]
