@@ -56,9 +56,13 @@ REFUSED_FOR_GOOD = {403, 406}
 exchange), PRECONDITION_FAILED (over the broker's max_message_size, a bad property)."""
 
 
-def refusal(exc: Any) -> type[PublishFailed]:
-    """The error for a channel the broker closed on a publish: refused for good, or not."""
-    return PublishRefused if exc.reply_code in REFUSED_FOR_GOOD else PublishFailed
+def channel_closed(exc: Any, exchange: str) -> PublishFailed:
+    """Our error for a publish on which the broker closed the channel: the exchange missing
+    (404, it may appear), refused for good (REFUSED_FOR_GOOD), or some other refusal."""
+    if exc.reply_code == 404:
+        return ExchangeMissing(f"{exchange!r}: {exc.reply_text}")
+    kind = PublishRefused if exc.reply_code in REFUSED_FOR_GOOD else PublishFailed
+    return kind(f"{exchange!r}: {exc.reply_code} {exc.reply_text}")
 
 
 class RabbitPublisher(Publisher):
@@ -145,8 +149,7 @@ class RabbitPublisher(Publisher):
         except pika.exceptions.ChannelClosedByBroker as exc:
             # A missing exchange (404) closes the channel: report it, reopen next time.
             self._channel = None
-            error = ExchangeMissing if exc.reply_code == 404 else refusal(exc)
-            raise error(f"{exchange!r}: {exc.reply_text}") from exc
+            raise channel_closed(exc, exchange) from exc
 
     def _open(self) -> None:
         self._drop()

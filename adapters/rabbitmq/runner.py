@@ -20,15 +20,8 @@ from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
 from .connection import close_quietly, connect, parameters
 from .convert import BODY_DROPPED_HEADER, Delivery, dead_letter_properties, to_message
-from .errors import (
-    ExchangeMissing,
-    PublishFailed,
-    PublishNacked,
-    PublishRefused,
-    TopologyError,
-    Unroutable,
-)
-from .publisher import refusal
+from .errors import PublishFailed, PublishNacked, PublishRefused, TopologyError, Unroutable
+from .publisher import channel_closed
 
 log = logging.getLogger("consumerdedup.rabbitmq")
 
@@ -280,24 +273,17 @@ class RabbitConsumerRunner(ConsumerRunner):
                 exchange, self.dead_letter_queue, body, properties, mandatory=True
             )
         except pika.exceptions.UnroutableError:
-            return Unroutable(
-                f"the dead-letter queue {self.dead_letter_queue!r} is not there: declare it "
-                "(RabbitConfig(declare=True))"
-            )
+            return Unroutable(f"no dead-letter queue {self.dead_letter_queue!r} is bound")
         except pika.exceptions.NackError:
             return PublishNacked(f"the broker refused a dead letter to {exchange!r}")
         except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return ExchangeMissing(
-                    f"{exchange!r}: {exc.reply_text}: declare the exchange "
-                    "(RabbitConfig(declare=True))"
-                )
-            return refusal(exc)(f"{exchange!r}: {exc.reply_code} {exc.reply_text}")
+            return channel_closed(exc, exchange)
         return None
 
     def _log_unsent(self, error: PublishFailed) -> None:
         log.error(
-            "cannot dead-letter a message of %r (%s); it stays in the queue for redelivery",
+            "cannot dead-letter a message of %r (%s); it stays in the queue for redelivery "
+            "(RabbitConfig(declare=True) declares a missing dead-letter queue or exchange)",
             self.queue,
             error,
         )
