@@ -26,7 +26,7 @@ from ..errors import (
 from ..message import Message, payload_hash, validate_id
 from ..observe import logger
 from ..outcome import Outcome, Result
-from ..retry import ErrorKind, RetryPolicy
+from ..retry import ErrorKind, RetryPolicy, uncoded
 from ..schema import utcnow
 from .ops import (
     Attempt,
@@ -217,8 +217,12 @@ class Pipeline:
         the span (or an unreachable database would be retried forever); any other error
         halves the span until it names its culprit (a deferred constraint fails at COMMIT)."""
         undecided = [item for item in span if item.result is None]
+        refused = isinstance(exc, StatementRefused)
+        exc = exc.error if isinstance(exc, StatementRefused) else exc
         transient = self.policy.classify(exc) is ErrorKind.TRANSIENT
-        if len(undecided) > 1 and not transient:
+        # A statement of ours the driver refused without a code (psycopg's "number of
+        # parameters must be between 0 and 65535"): retried as is it would fail forever.
+        if len(undecided) > 1 and (refused or not transient):
             batch.limit = len(undecided) // 2
             return self._report(batch, backoff=False)
         if transient and batch.spent is not None:
@@ -311,28 +315,29 @@ class Pipeline:
             keys = [row["message_id"] for row in rows]
             lock = Execute(*self.statements.lock(self.consumer, keys), Statements.read_lock)
             yield from self._ours(lock)
-        statement, params = self.statements.record(rows)
-        inserted: set[str] = yield from self._ours(
-            Execute(statement, params, Statements.read_recorded)
-        )
+        inserted: set[str] = set()
+        for statement, params in self.statements.records(rows):
+            inserted |= yield from self._ours(Execute(statement, params, Statements.read_recorded))
         return inserted
 
     def _lookup(self, keys: Sequence[str]) -> Generator[Op, Any, dict[str, Recorded]]:
-        statement, params = self.statements.lookup(self.consumer, keys)
-        found: dict[str, Recorded] = yield from self._ours(
-            Execute(statement, params, Statements.read_lookup)
-        )
+        found: dict[str, Recorded] = {}
+        for statement, params in self.statements.lookups(self.consumer, keys):
+            found |= yield from self._ours(Execute(statement, params, Statements.read_lookup))
         return found
 
     @staticmethod
     def _ours(execute: Execute) -> Generator[Op, Any, Any]:
-        """One of our statements: a failure that is the setup's, not the message's, is raised."""
+        """One of our statements: a failure that is the setup's, not the message's, is raised;
+        one the driver gives no code for is marked, so that it splits the span."""
         try:
             return (yield execute)
         except Exception as exc:
             misconfigured = Statements.misconfigured(exc)
             if misconfigured is not None:
                 raise misconfigured from exc
+            if uncoded(exc):
+                raise StatementRefused(exc) from exc
             raise
 
     def _row(self, item: _Item, now: datetime, error: BaseException | None) -> dict[str, Any]:
@@ -390,6 +395,16 @@ class Pipeline:
         if leader.outcome in (Outcome.PROCESSED, Outcome.DUPLICATE):
             return Result(follower.message, Outcome.DUPLICATE)
         return Result(follower.message, leader.outcome, leader.error, leader.attempts)
+
+
+class StatementRefused(Exception):
+    """One of our statements failed with no SQLSTATE nor SQLite code on a live connection:
+    the driver refused it (too many parameters, a value it cannot send). Halved, not
+    retried as is; a lone item's failure is then classified by ``error`` as usual."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def _outcome(item: _Item) -> Outcome | None:

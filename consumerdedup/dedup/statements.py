@@ -16,6 +16,13 @@ from ..retry import setup_fault
 from ..schema import Tables
 from . import partitioned_statements
 
+MAX_PARAMETERS = 30_000
+"""Bound parameters per statement of ours, under every supported driver's limit:
+psycopg's 65,535, asyncpg's 32,767, SQLite's 32,766 (SQLITE_MAX_VARIABLE_NUMBER since
+3.32; the claim's RETURNING needs 3.35). A batch of any size is cut to fit."""
+_RECORD_COLUMNS = 6
+"""Parameters per row of the VALUES form of ``record``."""
+
 
 @dataclass(frozen=True, slots=True)
 class Recorded:
@@ -55,24 +62,38 @@ class Statements:
             self._record = partitioned_statements.record(pe)
         self._lock = partitioned_statements.lock(pe)
 
-    def lookup(
+    def lookups(
         self, consumer: str, keys: Sequence[str]
-    ) -> tuple[Select[Any] | TextualSelect, dict[str, Any]]:
-        return self._lookup, {"consumer": consumer, "keys": list(keys)}
+    ) -> list[tuple[Select[Any] | TextualSelect, dict[str, Any]]]:
+        """The lookup of ``keys``, in as many statements as the parameter limit needs.
+
+        Partitioned, the keys travel as one array: a single statement.
+        """
+        size = len(keys) if self.serialized else MAX_PARAMETERS - 1
+        return [
+            (self._lookup, {"consumer": consumer, "keys": list(keys[i : i + size])})
+            for i in range(0, len(keys), max(size, 1))
+        ]
 
     @staticmethod
     def read_lookup(rows: Iterable[Any]) -> dict[str, Recorded]:
         return {key: Recorded(digest, outcome, error) for key, digest, outcome, error in rows}
 
-    def record(self, rows: Iterable[Mapping[str, Any]]) -> tuple[Insert | TextualSelect, Any]:
+    def records(
+        self, rows: Iterable[Mapping[str, Any]]
+    ) -> list[tuple[Insert | TextualSelect, Any]]:
         """INSERT ... ON CONFLICT DO NOTHING RETURNING message_id: what comes back was ours.
 
-        Serialized (partitioned): an INSERT of the keys no partition holds, after ``lock``.
+        The rows go in key order, in as many statements as the parameter limit needs:
+        two batches sharing keys then take the keys' locks in one order and wait on each
+        other instead of deadlocking. Serialized (partitioned): one INSERT of the keys no
+        partition holds, after ``lock`` (which takes its locks in hash order).
         """
-        listed = [dict(r) for r in rows]
+        listed = sorted((dict(r) for r in rows), key=lambda row: row["message_id"])
         if self.serialized:
-            return self._record, partitioned_statements.record_params(listed)
-        return self._record, listed
+            return [(self._record, partitioned_statements.record_params(listed))]
+        size = MAX_PARAMETERS // _RECORD_COLUMNS
+        return [(self._record, listed[i : i + size]) for i in range(0, len(listed), size)]
 
     @staticmethod
     def read_recorded(rows: Iterable[Any]) -> set[str]:
