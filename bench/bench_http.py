@@ -47,7 +47,15 @@ import httpx
 from sqlalchemy import create_engine, text
 
 sys.path.insert(0, os.path.dirname(__file__))
-from measure import Conditions, Series, add_round_arguments, check_rounds, print_pairs, print_table
+from measure import (
+    Conditions,
+    Series,
+    add_round_arguments,
+    check_rounds,
+    fmt,
+    print_pairs,
+    print_table,
+)
 
 PG_URL = os.environ.get(
     "CONSUMERDEDUP_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -99,11 +107,15 @@ class Scenario:
     expect_replayed: bool = False
     statuses: frozenset[int] = frozenset({200, 201})
     rates: Series = field(default_factory=lambda: Series(""))
+    server_cpu: Series = field(default_factory=lambda: Series(""))
+    client_cpu: Series = field(default_factory=lambda: Series(""))
     seen: Counter[int] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.rates.name = self.name
+        self.rates.name = self.server_cpu.name = self.client_cpu.name = self.name
         self.rates.unit = "req/s"
+        for cpu in (self.server_cpu, self.client_cpu):
+            cpu.unit, cpu.higher_is_better = "ms/req", False
 
 
 def unique(requests: int, tag: str) -> list[str | None]:
@@ -220,6 +232,13 @@ class Bench:
         """Each of the 20 keys ``--clients`` times in a row: the clients send it at once."""
         return [f"{tag}-{k}" for k in range(CONTENDED_KEYS) for _ in range(self.args.clients)]
 
+    def server_cpu(self) -> float:
+        """CPU seconds the server process has used (user + system, from /proc)."""
+        assert self.server is not None
+        with open(f"/proc/{self.server.pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def payments(self) -> int:
         with self.engine.connect() as conn:
             return int(
@@ -237,11 +256,14 @@ class Bench:
                 if scenario.prime:
                     asyncio.run(self.send(scenario, sorted(set(keys), key=str), check=False))
                     before = self.payments()
-                started = time.perf_counter()
                 if round_ == 0:
                     scenario.seen.clear()  # count the measured rounds' answers only
+                server_before, client_before = self.server_cpu(), time.process_time()
+                started = time.perf_counter()
                 asyncio.run(self.send(scenario, keys, check=True))
                 elapsed = time.perf_counter() - started
+                server_used = self.server_cpu() - server_before
+                client_used = time.process_time() - client_before
                 added = self.payments() - before
                 if added != scenario.payments(n):
                     raise SystemExit(
@@ -250,6 +272,8 @@ class Bench:
                     )
                 if round_ >= 0:
                     scenario.rates.add(len(keys) / elapsed)
+                    scenario.server_cpu.add(server_used * 1000 / len(keys))
+                    scenario.client_cpu.add(client_used * 1000 / len(keys))
                     if self.args.verbose:
                         print(f"  round {round_ + 1}: {scenario.name}: {len(keys) / elapsed:,.0f}")
         return scenarios
@@ -335,6 +359,17 @@ def print_results(scenarios: Sequence[Scenario]) -> bool:
     echo = [s.rates for s in scenarios if s.path.endswith("/echo")]
     print_table("POST /pay (one payment INSERT)", pay, by[BARE_PAY], "vs bare")
     print_table("POST /echo (no database)", echo, by[BARE_ECHO], "vs bare")
+    # What the middleware costs the server itself, whatever the client and the machine do:
+    # on a busy 2-core machine the rates above include the client's share of the CPUs.
+    cpu = {s.name: s.server_cpu for s in scenarios}
+    print_table(
+        "Server CPU per request (uvicorn process, user + system; lower is better)",
+        [s.server_cpu for s in scenarios],
+    )
+    print_table(
+        "Client CPU per request (httpx, this process: the share the client takes)",
+        [s.client_cpu for s in scenarios],
+    )
     contended = next(s for s in scenarios if s.name == CONTENDED)
     print(
         f"{CONTENDED}: responses {dict(sorted(contended.seen.items()))} "
@@ -350,6 +385,19 @@ def print_results(scenarios: Sequence[Scenario]) -> bool:
     print_pairs(
         "Through the middleware / without it (same endpoint, same server and client)", pairs
     )
+    print("Server CPU per request, through the middleware / without it (> 1: it costs more)")
+    for label, ours, bare in [
+        ("SQL store, unique keys", cpu[SQL_UNIQUE], cpu[BARE_PAY]),
+        ("SQL store, replays", cpu[SQL_REPLAY], cpu[BARE_PAY]),
+        ("transactional mode, unique keys", cpu[TX_UNIQUE], cpu[BARE_PAY]),
+        ("Redis store, unique keys", cpu[REDIS_UNIQUE], cpu[BARE_ECHO]),
+        ("Redis store, replays", cpu[REDIS_REPLAY], cpu[BARE_ECHO]),
+    ]:
+        print(
+            f"  {label:<32} {fmt(ours.median):>6} / {fmt(bare.median):>6} ms/req = "
+            f"{ours.median / bare.median:.2f}x"
+        )
+    print()
     if PEER_UNIQUE in by:
         print_pairs(
             "Redis store / asgi-idempotency-header (both on Redis, POST /echo)",
