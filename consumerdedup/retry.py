@@ -65,8 +65,11 @@ def setup_fault(error: BaseException) -> bool:
 def uncoded(error: BaseException) -> bool:
     """A driver error with no SQLSTATE nor SQLite code, on a connection still alive: the
     driver refused the statement itself (psycopg: "number of parameters must be between 0
-    and 65535"), so the same statement fails the same way again."""
+    and 65535"), so the same statement fails the same way again. Not a failure to connect
+    (no statement yet): that is the database's absence, transient."""
     if not isinstance(error, sqlalchemy.exc.DBAPIError) or error.connection_invalidated:
+        return False
+    if error.statement is None:
         return False
     orig = error.orig
     return not getattr(orig, "sqlstate", None) and not getattr(orig, "sqlite_errorname", None)
