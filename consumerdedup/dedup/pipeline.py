@@ -225,7 +225,7 @@ class Pipeline:
         if len(undecided) > 1 and (refused or not transient):
             batch.limit = len(undecided) // 2
             return self._report(batch, backoff=False)
-        if transient and batch.spent is not None:
+        if transient and batch.spent is not None and undecided:
             self._give_up(batch, undecided, exc)
             return self._report(batch, backoff=False)
         for item in undecided:

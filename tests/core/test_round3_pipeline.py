@@ -373,3 +373,33 @@ def test_an_unusable_id_behind_a_retry_in_an_ordered_batch_is_held_back(
     assert [r.outcome for r in results] == [Outcome.RETRY] * 3, [r.reason for r in results]
     assert isinstance(results[1].error, HeldBack)
     assert dead == [] and records(db) == {}
+
+
+def test_an_ordered_batch_commits_nothing_behind_a_key_neither_claimed_nor_found() -> None:
+    """The decision logic alone: the claim returns x2 but not x1, and the lookup finds no x1
+    (a twin's commit the snapshot missed). x1 is undecided, so x2 behind it must not commit
+    before it: every attempt rolls back, and the budget ends both RETRY."""
+    from consumerdedup import Tables
+    from consumerdedup.dedup.ops import CallHandler, Commit, Execute
+    from consumerdedup.dedup.pipeline import Pipeline
+    from consumerdedup.dedup.statements import Statements
+
+    pipeline = Pipeline(Statements(Tables.define(), "postgresql"), "c", FAST, claim_first=True)
+    batch = pipeline.start([order("x1"), order("x2")], ordered=True)
+    committed_after_handler = 0
+    for _round in range(1000):
+        attempt, reply, handled = pipeline.attempt(batch), None, False
+        try:
+            while True:
+                op = attempt.send(reply)
+                reply = None
+                if isinstance(op, Execute):
+                    reply = {"x2"} if op.read is Statements.read_recorded else {}
+                handled = handled or isinstance(op, CallHandler)
+                committed_after_handler += isinstance(op, Commit) and handled
+        except StopIteration as stop:
+            if not stop.value.pending:
+                break
+    results = pipeline.finish(batch)
+    assert committed_after_handler == 0, "x2 committed behind the undecided x1"
+    assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY]
