@@ -45,7 +45,9 @@ def processed_before(db: Database, prefix: str, count: int) -> None:
 
 
 def stored(db: Database) -> int:
-    return int(db.scalar(f"SELECT count(*) FROM {db.name('processed_events')}"))  # type: ignore[call-overload]
+    count = db.scalar(f"SELECT count(*) FROM {db.name('processed_events')}")
+    assert isinstance(count, int)
+    return count
 
 
 @pytest.fixture(params=["sync-claim", "sync-check", "async-check"])
