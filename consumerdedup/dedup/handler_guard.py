@@ -34,6 +34,7 @@ _LAST_ERROR = "consumerdedup.last_error"
 _ENDED = "consumerdedup.transaction_ended"
 _GUARDED = "_consumerdedup_guarded"
 _SECOND_CONNECTION = "consumerdedup.second_connection"
+_PIPELINE_TRANSACTION = "consumerdedup.pipeline_transaction"
 _TWO_CONNECTIONS = (
     "the handler's session began a transaction on a second connection (a session with "
     "several binds, or bind_arguments): writes there commit apart from the dedup record, "
@@ -56,10 +57,19 @@ def _refuse_commit(session: Session) -> None:
 
 
 @event.listens_for(Session, "after_begin")
-def _refuse_second_connection(session: Session, _transaction: Any, conn: Connection) -> None:
+def _refuse_second_connection(
+    session: Session, transaction: SessionTransaction, conn: Connection
+) -> None:
     # The pipeline's connection began before the handler ran; any other one is a second.
     running = session.info.get(_HANDLER_RUNNING)
-    if running is not None and conn is not running:  # a savepoint begins on the same one
+    if running is None or conn is running:  # a savepoint begins on the same connection
+        return
+    root = transaction
+    while root.parent is not None:
+        root = root.parent
+    # A new transaction after the handler's rollback() is not a second connection of ours:
+    # HandlerCall.verify reports that one (TransactionBroken, the message's own failure).
+    if root is session.info.get(_PIPELINE_TRANSACTION):
         session.info[_SECOND_CONNECTION] = True
         raise TransactionBroken(_TWO_CONNECTIONS)
 
@@ -139,6 +149,7 @@ class HandlerCall:
         info.pop(_ENDED, None)
         info[_HANDLER_RUNNING] = True
         session.info[_HANDLER_RUNNING] = connection
+        session.info[_PIPELINE_TRANSACTION] = self.transaction
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
@@ -147,6 +158,7 @@ class HandlerCall:
         ConfigurationError, so that no message is recorded for it.
         """
         self.session.info.pop(_HANDLER_RUNNING, None)
+        self.session.info.pop(_PIPELINE_TRANSACTION, None)
         self.info.pop(_HANDLER_RUNNING, None)
         if self.session.info.pop(_SECOND_CONNECTION, None):
             raise ConfigurationError(_TWO_CONNECTIONS)
