@@ -20,6 +20,11 @@ concurrent connections, keep-alive) drives them all, round-robin, in the same ru
   (``pip install --no-deps asgi-idempotency-header``: its redis<5 pin is older than the code
   needs), unique keys and replays for both.
 
+The client is httpx by default; ``--client raw`` (bench/raw_client.py, a minimal asyncio
+HTTP/1.1 client) costs the CPUs a tenth as much, so on a small machine the server, not the
+client, sets the rate. Besides the rates, the server's own CPU time per request (from
+/proc) shows what the middleware costs whatever the client does.
+
 Every scenario's effects are checked: the bare and unique-key runs add one payment per
 request, replays and 409s add none, a key sent by 20 clients adds one. A figure is the median
 of the rounds' rates with the slowest and fastest round, a ratio the ratio of two medians
@@ -56,6 +61,7 @@ from measure import (
     print_pairs,
     print_table,
 )
+from raw_client import RawConnection
 
 PG_URL = os.environ.get(
     "CONSUMERDEDUP_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -280,26 +286,36 @@ class Bench:
 
     async def send(self, scenario: Scenario, keys: list[str | None], check: bool) -> None:
         """Every request of ``keys`` in order over ``--clients`` concurrent connections."""
-        limits = httpx.Limits(max_connections=self.args.clients)
         body = json.dumps({"amount": 1, "pad": "x" * self.args.body_size}).encode()
         pending = iter(enumerate(keys))
+        port = int(self.url.rsplit(":", 1)[1])
+        raw = [RawConnection("127.0.0.1", port) for _ in range(self.args.clients)]
+        limits = httpx.Limits(max_connections=self.args.clients)
         async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=60) as client:
 
-            async def worker() -> None:
+            async def worker(connection: RawConnection) -> None:
                 for _, key in pending:
                     headers = {"content-type": "application/json"}
                     if key is not None:
                         headers["idempotency-key"] = key
                     try:
-                        response = await client.post(scenario.path, content=body, headers=headers)
-                    except httpx.TransportError as error:
+                        if self.args.client == "raw":
+                            answer: Any = await connection.post(scenario.path, body, headers)
+                        else:
+                            answer = await client.post(scenario.path, content=body, headers=headers)
+                    except (httpx.TransportError, OSError, asyncio.IncompleteReadError) as error:
                         raise BenchFailed(f"{scenario.name}: {error!r}") from error
                     if check:
-                        self.check(scenario, response)
+                        self.check(scenario, answer)
 
-            await asyncio.gather(*(worker() for _ in range(self.args.clients)))
+            try:
+                await asyncio.gather(*(worker(connection) for connection in raw))
+            finally:
+                for connection in raw:
+                    await connection.close()
 
-    def check(self, scenario: Scenario, response: httpx.Response) -> None:
+    def check(self, scenario: Scenario, response: Any) -> None:
+        """``response``: an httpx.Response or a raw_client.Answer (the same attributes)."""
         scenario.seen[response.status_code] += 1
         if response.status_code not in scenario.statuses:
             raise BenchFailed(f"{scenario.name}: HTTP {response.status_code} {response.text[:300]}")
@@ -342,9 +358,14 @@ def print_conditions(args: argparse.Namespace, bench: Bench) -> Conditions:
     )
     conditions.add(
         "client",
-        f"httpx {httpx.__version__} AsyncClient, {args.clients} concurrent keep-alive "
-        f"connections, {args.requests} requests per scenario per round, {args.rounds} round(s) "
-        f"round-robin after a warm-up of {args.warmup}",
+        (
+            f"httpx {httpx.__version__} AsyncClient"
+            if args.client == "httpx"
+            else "raw asyncio HTTP/1.1 (bench/raw_client.py)"
+        )
+        + f", {args.clients} concurrent keep-alive connections, {args.requests} requests per "
+        f"scenario per round, {args.rounds} round(s) round-robin after a warm-up of "
+        f"{args.warmup}",
     )
     conditions.add("body", f"JSON, {args.body_size + 26} bytes, the same in every scenario")
     peer = "installed" if peer_installed() else "NOT INSTALLED: no comparison with the peer"
@@ -353,7 +374,7 @@ def print_conditions(args: argparse.Namespace, bench: Bench) -> Conditions:
     return conditions
 
 
-def print_results(scenarios: Sequence[Scenario]) -> bool:
+def print_results(scenarios: Sequence[Scenario], client_name: str) -> bool:
     by = {s.name: s.rates for s in scenarios}
     pay = [s.rates for s in scenarios if s.path.endswith("/pay")]
     echo = [s.rates for s in scenarios if s.path.endswith("/echo")]
@@ -367,7 +388,7 @@ def print_results(scenarios: Sequence[Scenario]) -> bool:
         [s.server_cpu for s in scenarios],
     )
     print_table(
-        "Client CPU per request (httpx, this process: the share the client takes)",
+        f"Client CPU per request ({client_name}, this process: the share the client takes)",
         [s.client_cpu for s in scenarios],
     )
     contended = next(s for s in scenarios if s.name == CONTENDED)
@@ -433,6 +454,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, help="per scenario per round (default 2000)")
     parser.add_argument("--warmup", type=int, help="requests per scenario (default 200)")
     parser.add_argument("--clients", type=int, default=20, help="concurrent connections")
+    parser.add_argument(
+        "--client",
+        choices=("httpx", "raw"),
+        default="httpx",
+        help="httpx (default), or raw: a minimal asyncio HTTP/1.1 client (bench/raw_client.py) "
+        "that leaves the CPUs to the server",
+    )
     parser.add_argument("--body-size", type=int, default=200, help="padding in the JSON body")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every round")
     parser.add_argument(
@@ -453,7 +481,7 @@ def main() -> int:
         raise SystemExit(f"BENCH FAILED: {failure}") from None
     finally:
         bench.teardown()
-    ok = print_results(scenarios)
+    ok = print_results(scenarios, args.client)
     conditions.print_after()
     return 1 if args.strict and not ok else 0
 

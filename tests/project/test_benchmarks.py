@@ -45,3 +45,17 @@ def test_the_bench_smoke_run_passes_its_own_checks(script: str) -> None:
     assert "Conditions" in run.stdout and "synchronous_commit=" in run.stdout, output[-3000:]
     assert "SMOKE RUN" in run.stdout, "a one-round run must say it is not a measurement"
     assert EXPECTED[script] in run.stdout, output[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_http_with_the_raw_client_passes_its_own_checks() -> None:
+    """bench_http's other client (the one that leaves the CPUs to the server) checks alike."""
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "bench_http.py"), "--quick", "--client", "raw"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "raw asyncio HTTP/1.1" in run.stdout and "Server CPU per request" in run.stdout
