@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Engine
@@ -92,6 +93,10 @@ class IdempotencyMiddleware:
         self._policy: IdempotencyPolicy | None = None
         self.principal = principal
         self.session_factory = session_factory
+        # Over an AsyncEngine a twin may wait on the row lock (no thread is held meanwhile);
+        # over a blocking one it would hold one of asyncio's few worker threads, which the
+        # first request needs to commit: the twin polls instead (flow.decide's lock_waits).
+        self.lock_waits = isinstance(engine, AsyncEngine)
 
     @property
     def policy(self) -> IdempotencyPolicy:
@@ -118,7 +123,8 @@ class IdempotencyMiddleware:
         incoming = flow.Incoming(
             scope["method"], scope["path"], scope.get("query_string", b""), headers, principal
         )
-        await _Exchange(self, scope, receive, send).drive(flow.decide(incoming, self.policy))
+        steps = flow.decide(incoming, self.policy, lock_waits=self.lock_waits)
+        await _Exchange(self, scope, receive, send).drive(steps)
 
 
 async def _call(function: Callable[..., Any], *args: Any) -> Any:
@@ -207,7 +213,8 @@ class _Exchange:
             assert store is not None  # the policy property refused transactional without it
             self.session = self.new_session()
             try:
-                wait, lease = claim.policy.wait, claim.policy.lease
+                wait = claim.policy.wait if self.owner.lock_waits else timedelta(0)
+                lease = claim.policy.lease
                 result = await _call(store.claim_in, self.session, *args, wait, lease)
             except Exception as error:
                 if not is_lock_timeout(error):

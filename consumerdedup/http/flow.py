@@ -160,8 +160,16 @@ def should_store(status: int) -> bool:
     return status < 500 and status not in RETRYABLE_STATUSES
 
 
-def decide(request: Incoming, policy: IdempotencyPolicy) -> Generator[Operation, Any, Decision]:
-    """The algorithm for one request (see the module docstring for the protocol)."""
+def decide(
+    request: Incoming, policy: IdempotencyPolicy, *, lock_waits: bool = True
+) -> Generator[Operation, Any, Decision]:
+    """The algorithm for one request (see the module docstring for the protocol).
+
+    ``lock_waits``: a transactional claim waits for its twin on the row lock in the store
+    (the driver passes the route's wait to claim_in); False: the driver claims without
+    waiting and the twin's wait is spent here, in Pauses, holding no thread or connection
+    (an ASGI server over a blocking engine, whose few worker threads must stay free).
+    """
     route = policy.for_request(request.method, request.path)
     if route is None:
         return PassThrough()
@@ -186,7 +194,9 @@ def decide(request: Incoming, policy: IdempotencyPolicy) -> Generator[Operation,
     facts = RequestFacts(request.method.upper(), request.path, request.query, body, request.headers)
     fingerprint = route.fingerprint(facts)
     scope = scope_of(request.method, request.path, request.principal)
-    claimed = yield from _claim(Claim(scope, key, fingerprint, route), where, label)
+    waits_in_store = route.transactional and lock_waits
+    claim = Claim(scope, key, fingerprint, route)
+    claimed = yield from _claim(claim, where, label, waits_in_store)
     if not isinstance(claimed, Claimed):
         return claimed
     log.info("idempotency claimed %s %s", where, label)
@@ -226,12 +236,14 @@ def decide(request: Incoming, policy: IdempotencyPolicy) -> Generator[Operation,
     return SendCaptured(stored=bool(stored))
 
 
-def _claim(claim: Claim, where: str, label: str) -> Generator[Operation, Any, Claimed | Respond]:
-    """Claim, pausing for an in-flight twin while the route's wait allows (not transactional:
-    there the store waits on the row lock itself)."""
+def _claim(
+    claim: Claim, where: str, label: str, waits_in_store: bool
+) -> Generator[Operation, Any, Claimed | Respond]:
+    """Claim, pausing for an in-flight twin while the route's wait allows (unless the store
+    already waited on the row lock)."""
     waited = 0.0
     poll = _FIRST_POLL
-    budget = 0.0 if claim.policy.transactional else claim.policy.wait.total_seconds()
+    budget = 0.0 if waits_in_store else claim.policy.wait.total_seconds()
     while True:
         result: ClaimResult = yield claim
         if isinstance(result, Claimed):

@@ -13,6 +13,7 @@ import hashlib
 import json
 import socket
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -271,16 +272,24 @@ async def _many(server: Server, path: str, key: str, note: str, n: int) -> list[
 
 
 @pytest.mark.parametrize("n", [2, 20])
-@pytest.mark.parametrize("path", ["/payments?sleep=0.3", "/tx/payments?sleep=0.3"])
+@pytest.mark.parametrize(
+    "path",
+    ["/payments?sleep=0.3", "/tx/payments?sleep=0.3", "/wait?sleep=0.3", "/tx/wait?sleep=0.3"],
+)
 def test_concurrent_requests_with_one_key_run_the_endpoint_once(
     server: Server, n: int, path: str
 ) -> None:
     if path.startswith("/tx") and not server.kind.transactional:
         pytest.fail("every SQL server serves the transactional route")  # pragma: no cover
     key, note = new_key(), new_key()
+    started = time.monotonic()
     responses = asyncio.run(_many(server, path, key, note, n))
+    elapsed = time.monotonic() - started
     ran = [r for r in responses if r.status_code == 201 and not replayed(r)]
     assert len(ran) == 1, [r.status_code for r in responses]
+    if "wait" in path:  # a route that waits (5 s) replays to every twin, promptly
+        assert all(r.status_code == 201 for r in responses), [r.status_code for r in responses]
+        assert elapsed < 4, f"{n} twins of a 0.3 s request took {elapsed:.1f} s"
     for response in responses:
         assert response.status_code in (201, 409), response.text
         if response.status_code == 409:
