@@ -6,11 +6,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 import tenacity
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..db import dialects, sqlite
-from ..errors import PermanentError
+from ..errors import ConfigurationError, PermanentError
 from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
@@ -184,7 +184,16 @@ class DedupHandler:
 
 def begin_checked(session: Session, what: str) -> None:
     """Before our first statement, on the connection the session really uses: a real
-    transaction (BEGIN IMMEDIATE on SQLite), on a supported driver, not in autocommit."""
+    transaction (BEGIN IMMEDIATE on SQLite), on a supported driver, not in autocommit,
+    and the session's own (its commit is the database's)."""
+    bind = session.get_bind()
+    if isinstance(bind, Connection) and bind.in_transaction() and not session.in_transaction():
+        raise ConfigurationError(
+            f"{what}: the session factory gave a session bound to a Connection already in a "
+            "transaction; the session would join it, and its commit would commit nothing "
+            "(PROCESSED would be reported for work the caller may still roll back); give "
+            "sessions bound to an engine, or to a connection not in a transaction"
+        )
     connection = session.connection()
     sqlite.begin_immediate(connection)
     dialects.require_transaction(connection, what)

@@ -521,3 +521,48 @@ def test_a_handler_that_returns_its_work_unrun_records_nothing(
     with pytest.raises(ConfigurationError, match="body did not run"):
         run(kind, db, None, claim_first, handler)  # type: ignore[arg-type]
     assert (effects(db, ledger), records(db)) == ([], [])
+
+
+@pytest.mark.parametrize(("kind", "claim_first"), KINDS, ids=KIND_IDS)
+def test_a_session_that_would_join_the_callers_transaction_is_refused(
+    db: Database, kind: str, claim_first: bool
+) -> None:
+    """A session bound to a Connection already in a transaction joins it: its commit commits
+    nothing, so PROCESSED would be reported (and acked) for work the caller may roll back."""
+    ledger = create_ledger(db)
+    statement = text(insert(ledger)[0])
+    if kind == "sync":
+        conn = db.engine.connect()
+        conn.begin()
+
+        def handler(message: Message, session: Any) -> None:
+            session.execute(statement, {"m": message.id})
+
+        try:
+            with pytest.raises(ConfigurationError, match="already in a transaction"):
+                run(kind, db, lambda: Session(bind=conn), claim_first, handler)
+        finally:
+            conn.rollback()  # the caller changes its mind
+            conn.close()
+    else:
+        engine = db.async_engine()
+
+        async def async_handler(message: Message, session: Any) -> None:
+            await session.execute(statement, {"m": message.id})
+
+        async def go() -> None:
+            async with engine.connect() as conn:
+                await conn.begin()
+                dedup = AsyncDeduplicator(
+                    engine, "c", tables=db.tables, session_factory=lambda: AsyncSession(bind=conn)
+                )
+                handle = dedup.handler(claim_first=claim_first)(async_handler)
+                try:
+                    with pytest.raises(ConfigurationError, match="already in a transaction"):
+                        await handle.process(order("m1"))
+                finally:
+                    await conn.rollback()
+            await engine.dispose()
+
+        asyncio.run(go())
+    assert (effects(db, ledger), records(db)) == ([], [])
