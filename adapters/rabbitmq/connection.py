@@ -66,6 +66,9 @@ def parameters(url: str, options: Mapping[str, Any], name: str) -> Any:
         )
     try:
         params = pika.URLParameters(url)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(_unreadable_url(url, exc)) from None
+    try:
         for option, value in options.items():
             if not isinstance(getattr(type(params), option, None), property):
                 raise ConfigurationError(f"unknown pika connection option {option!r}")
@@ -76,6 +79,18 @@ def parameters(url: str, options: Mapping[str, Any], name: str) -> Any:
     properties.setdefault("connection_name", name)
     params.client_properties = properties
     return params
+
+
+def _unreadable_url(url: str, exc: BaseException) -> str:
+    """Why ``url`` cannot be read, never quoting it: a password with an unescaped / # ? ends
+    the authority early, and the parser's words then name a piece of it (as "the port")."""
+    hint = (
+        "cannot read the RabbitMQ URL: it must be amqp://user:password@host:5672/vhost, "
+        "with / # ? @ : % in the user or password percent-encoded (%2F %23 %3F %40 %3A %25)"
+    )
+    if "@" in url:  # credentials in it: the parser's words may quote them
+        return f"{hint} ({type(exc).__name__})"
+    return f"{hint}: {exc}"
 
 
 def connect(
