@@ -12,6 +12,9 @@ import pika  # type: ignore[import-untyped]
 import pika.data  # type: ignore[import-untyped]
 import pika.exceptions  # type: ignore[import-untyped]
 import tenacity
+from pika.adapters.utils.connection_workflow import (  # type: ignore[import-untyped]
+    AMQPConnectorStackTimeout,
+)
 
 from consumerdedup import ConfigurationError
 from consumerdedup.retry import Backoff
@@ -27,6 +30,9 @@ _REFUSED = (
     pika.exceptions.ProbableAccessDeniedError,
     pika.exceptions.IncompatibleProtocolError,
 )
+# pika raises its own (not an AMQPConnectionError) when a port takes the TCP connection and
+# never answers the AMQP handshake: not a RabbitMQ port, or one too busy to answer.
+_UNANSWERED = (pika.exceptions.AMQPConnectionError, AMQPConnectorStackTimeout)
 
 
 def _decode_value(encoded: bytes, offset: int) -> tuple[Any, int]:
@@ -107,10 +113,7 @@ def connect(
         stop = tenacity.stop_any(stop, tenacity.stop_after_delay(give_up_after.total_seconds()))
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(
-            lambda exc: (
-                isinstance(exc, pika.exceptions.AMQPConnectionError)
-                and not isinstance(exc, _REFUSED)
-            )
+            lambda exc: isinstance(exc, _UNANSWERED) and not isinstance(exc, _REFUSED)
         ),
         wait=backoff,
         stop=stop,
@@ -127,10 +130,13 @@ def connect(
             f"{_reply(exc)}): check the URL's user, password and vhost, and that the port "
             "is AMQP's"
         ) from exc
-    except pika.exceptions.AMQPConnectionError as exc:
+    except _UNANSWERED as exc:
         if stopping():
             return None
-        raise BrokerUnavailable(f"cannot connect to RabbitMQ at {where}: {exc!r}") from exc
+        why = repr(exc)
+        if isinstance(exc, AMQPConnectorStackTimeout):
+            why = "no answer to the AMQP handshake (is it RabbitMQ's AMQP port?)"
+        raise BrokerUnavailable(f"cannot connect to RabbitMQ at {where}: {why}") from exc
 
 
 def _reply(exc: BaseException) -> str:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from consumerdedup import ConfigurationError, Deduplicator
+from consumerdedup import ConfigurationError, Deduplicator, Outbox, OutboxRelay
 from consumerdedup.adapters.rabbitmq import (
+    BrokerUnavailable,
+    RabbitConfig,
     RabbitConsumerRunner,
     RabbitPublisher,
 )
@@ -50,3 +57,45 @@ def test_the_relay_command_does_not_echo_a_misread_password(db: Any) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert f"'{SECRET}'" not in done.stdout + done.stderr, done.stderr
+
+
+@pytest.fixture(name="silent_port")
+def silent_port_fixture() -> Iterator[int]:
+    """A port that accepts TCP connections and never says a word (not an AMQP broker; a
+    broker too busy to answer looks the same)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    try:
+        yield int(server.getsockname()[1])
+    finally:
+        server.close()
+
+
+def test_a_port_that_never_answers_the_handshake_is_broker_unavailable(
+    db: Any, silent_port: int
+) -> None:
+    """pika raised its own AMQPConnectorStackTimeout (not an AMQPConnectionError) out of
+    RabbitPublisher and RabbitConsumerRunner: not one of our errors, never retried, and the
+    relay stopped on it as if the setup were wrong. Now it is BrokerUnavailable (transient:
+    the relay backs off and charges nothing), saying to check the port is AMQP's."""
+    url = f"amqp://guest:guest@127.0.0.1:{silent_port}/%2F"
+    options = {"stack_timeout": 0.3}
+    publisher = RabbitPublisher(
+        url, connect_timeout=timedelta(milliseconds=500), connection_options=options
+    )
+    with pytest.raises(BrokerUnavailable) as caught:
+        publisher.__enter__()
+    assert "AMQP" in str(caught.value) and "guest" not in str(caught.value)
+    handler = Deduplicator(db.engine, consumer="c", tables=db.tables).handler(lambda m, s: None)
+    config = RabbitConfig(reconnect_timeout=timedelta(milliseconds=500), connection_options=options)
+    with pytest.raises(BrokerUnavailable):
+        RabbitConsumerRunner(handler, "q", url=url, config=config).run()
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session, session.begin():
+        outbox.add(session, "q", b"{}", key="k")
+    with OutboxRelay(db.engine, publisher, tables=db.tables) as relay:
+        assert relay.run_once() == 0  # backed off: the broker is away, nothing charged
+    with db.engine.connect() as conn:
+        attempts = conn.execute(select(db.tables.outbox.c.attempts)).scalars().all()
+    assert attempts == [0]
