@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from ..errors import ConfigurationError
 from ..schema import DEFAULT, Tables
 from . import flow
+from .asgi_held import HeldResponse, send_response
 from .policy import IdempotencyPolicy, RoutePolicy
 from .sql_statements import is_lock_timeout
 from .sql_store import AsyncSqlStore, SqlStore
@@ -144,7 +145,7 @@ class _Exchange:
         self.send = send
         self.body = b""
         self.session: Session | AsyncSession | None = None
-        self.capture: _Capture | None = None
+        self.capture: HeldResponse | None = None
         self.app_task: asyncio.Future[None] | None = None
         self.held: flow.Claim | None = None
         self.token = ""
@@ -243,7 +244,7 @@ class _Exchange:
         if self.session is not None:
             scope[SESSION_KEY] = self.session
             self.allow_commit = hold_commits(self.session)
-        self.capture = capture = _Capture(self.send, policy.max_stored_body)
+        self.capture = capture = HeldResponse(self.send, policy.max_stored_body)
         self.app_task = task = asyncio.ensure_future(self.owner.app(scope, self.replay, capture))
         renewing = None if policy.transactional else asyncio.ensure_future(self.renew(policy))
         overflowed = asyncio.ensure_future(capture.overflowed.wait())
@@ -321,7 +322,7 @@ class _Exchange:
         if isinstance(decision, flow.PassThrough):
             await self.owner.app(self.scope, self.receive, self.send)
         elif isinstance(decision, flow.Respond):
-            await _send_response(self.send, decision.response, decision.replayed)
+            await send_response(self.send, decision.response, decision.replayed)
         else:
             assert self.capture is not None and self.app_task is not None
             if self.capture.overflowed.is_set() and not self.app_task.done():
@@ -356,61 +357,3 @@ class _Exchange:
 
 class _ClientGone(Exception):
     """The client disconnected before its request body arrived: nothing was claimed."""
-
-
-class _Capture:
-    """The app's send: holds the response back up to ``limit`` bytes, then (past it, once the
-    not-stored record is written) streams it."""
-
-    def __init__(self, send: Send, limit: int) -> None:
-        self.send = send
-        self.limit = limit
-        self.messages: list[Message] = []
-        self.status: int | None = None
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.size = 0
-        self.complete = False
-        self.overflowed = asyncio.Event()
-        self._gate = asyncio.Event()
-        self._passing = False
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(m.get("body", b"") for m in self.messages[1:])
-
-    async def __call__(self, message: Message) -> None:
-        if self._passing:
-            await self.send(message)
-            return
-        self.messages.append(message)
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.status = int(message["status"])
-            self.headers = list(message.get("headers", []))
-            return
-        if kind == "http.response.body" and self.status is not None:
-            self.size += len(message.get("body", b""))
-            if self.size <= self.limit:
-                self.complete = not message.get("more_body", False)
-                return
-        # Past the limit, or something we cannot keep (trailers, a body before its start):
-        # wait until the not-stored record is written, then send all and pass through.
-        self.overflowed.set()
-        await self._gate.wait()
-        self._passing = True
-        held, self.messages = self.messages, []
-        for held_message in held:
-            await self.send(held_message)
-
-    def open_gate(self) -> None:
-        self._gate.set()
-
-
-async def _send_response(send: Send, response: StoredResponse, replayed: bool) -> None:
-    headers = (
-        response.replay_headers()
-        if replayed
-        else [(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.headers]
-    )
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})

@@ -1,0 +1,79 @@
+"""The ASGI middleware's held-back response: kept whole up to a limit, then streamed.
+
+``HeldResponse`` is the app's ``send`` while an idempotent request runs: it
+keeps every message until the response is complete (then the middleware
+stores it and sends it), or until it grows past the route's
+max_stored_body, something it cannot keep arrives (trailers), or a body
+comes before its start. Then it marks itself ``overflowed`` and blocks the
+app until the middleware has recorded the response as not stored
+(``open_gate``), and from there passes everything straight to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from .stored import StoredResponse
+
+Message = MutableMapping[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class HeldResponse:
+    """The app's send: holds the response back up to ``limit`` bytes, then (past it, once the
+    not-stored record is written) streams it."""
+
+    def __init__(self, send: Send, limit: int) -> None:
+        self.send = send
+        self.limit = limit
+        self.messages: list[Message] = []
+        self.status: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.size = 0
+        self.complete = False
+        self.overflowed = asyncio.Event()
+        self._gate = asyncio.Event()
+        self._passing = False
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+    async def __call__(self, message: Message) -> None:
+        if self._passing:
+            await self.send(message)
+            return
+        self.messages.append(message)
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = int(message["status"])
+            self.headers = list(message.get("headers", []))
+            return
+        if kind == "http.response.body" and self.status is not None:
+            self.size += len(message.get("body", b""))
+            if self.size <= self.limit:
+                self.complete = not message.get("more_body", False)
+                return
+        # Past the limit, or something we cannot keep (trailers, a body before its start):
+        # wait until the not-stored record is written, then send all and pass through.
+        self.overflowed.set()
+        await self._gate.wait()
+        self._passing = True
+        held, self.messages = self.messages, []
+        for held_message in held:
+            await self.send(held_message)
+
+    def open_gate(self) -> None:
+        self._gate.set()
+
+
+async def send_response(send: Send, response: StoredResponse, replayed: bool) -> None:
+    headers = (
+        response.replay_headers()
+        if replayed
+        else [(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.headers]
+    )
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
