@@ -12,6 +12,7 @@ from consumerdedup.errors import describe
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 
 from .config import KafkaConfig
+from .undecodable import Undecodable
 
 PARTITION_HEADER = "x-dead-letter-partition"
 OFFSET_HEADER = "x-dead-letter-offset"
@@ -53,6 +54,8 @@ def to_message(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
     Never raises: a record this cannot read is refused with the reason (one record's
     conversion error raising here would stop its partition on every restart).
     """
+    if isinstance(record, Undecodable):  # aiokafka could not decode it: nothing to read
+        return unreadable(record), record.reason
     try:
         return _converted(record, config)
     except Exception as exc:

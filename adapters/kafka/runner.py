@@ -15,7 +15,7 @@ from consumerdedup.dedup.driving import AsyncDriver, Handler
 from consumerdedup.errors import describe
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
-from . import connection
+from . import connection, undecodable
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig
 from .convert import BODY_DROPPED_HEADER, coordinates, dead_letter_headers, to_message
 from .errors import PublishFailed, PublishRefused
@@ -75,6 +75,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         self._lock = asyncio.Lock()  # held by the batch in flight; a revocation waits on it
         self._paused: dict[Any, float] = {}  # partition -> loop time to resume it
         self._retries: dict[str, int] = {}  # RETRYs in a row per record, for the backoff
+        self._positions: dict[Any, int] = {}  # partition -> offset the runner reads from next
 
     async def run(self, *, until_idle: bool = False) -> None:
         """Consume until ``stop()`` (or a signal after ``on_signals()``), then close.
@@ -94,6 +95,7 @@ class KafkaConsumerRunner(ConsumerRunner):
             options=cfg.producer_options,
         )
         self._paused.clear()
+        self._positions.clear()
         self._lock = asyncio.Lock()  # bound to this run's event loop
         self.consumer = consumer
         try:
@@ -115,9 +117,14 @@ class KafkaConsumerRunner(ConsumerRunner):
             self._resume_due(consumer)
             # Up to batch_size records per assigned partition; each partition's share is then
             # handled in chunks of batch_size.
-            fetched = await consumer.getmany(
-                timeout_ms=self._wait_ms(), max_records=size * max(1, len(consumer.assignment()))
-            )
+            try:
+                fetched = await consumer.getmany(
+                    timeout_ms=self._wait_ms(),
+                    max_records=size * max(1, len(consumer.assignment())),
+                )
+            except undecodable.UNDECODABLE:
+                await self._read_alone(consumer, dead_letters)
+                continue
             if not fetched:
                 if until_idle and not self._paused and await self._drained(consumer):
                     return
@@ -137,6 +144,25 @@ class KafkaConsumerRunner(ConsumerRunner):
                     if not await self._handle(consumer, dead_letters, tp, chunk):
                         break  # the partition was sent back to a record: the rest comes again
 
+    async def _read_alone(self, consumer: Any, dead_letters: KafkaPublisher) -> None:
+        """A record of some partition cannot be decoded (see ``undecodable``): every partition
+        back to where it stands, then each read alone up to it; the undecodable range is
+        refused like any unreadable record, and its partition goes on after it."""
+        reset = self.config.consumer_options.get("auto_offset_reset", "earliest")
+        await undecodable.rewind(consumer, self._positions, reset)
+        epoch, wait = self._epoch, int(self.config.poll_timeout.total_seconds() * 1000)
+        for tp in sorted(consumer.assignment() - set(self._paused), key=str):
+            found, refused = await undecodable.read_alone(
+                consumer, tp, self.config.batch_size, wait, lambda: self.stopping
+            )
+            async with self._lock:
+                if self.stopping or epoch != self._epoch:
+                    return
+                if found and not await self._handle(consumer, dead_letters, tp, found):
+                    continue  # sought back: the range comes again after them
+                if refused:
+                    await self._handle(consumer, dead_letters, tp, refused)
+
     async def _handle(
         self, consumer: Any, dead_letters: KafkaPublisher, tp: Any, records: Sequence[Any]
     ) -> bool:
@@ -149,10 +175,13 @@ class KafkaConsumerRunner(ConsumerRunner):
             self._retries.pop(coordinates(record), None)
         if done and not await self._commit(consumer, tp, records[done - 1].offset + 1):
             self._seek(consumer, tp, records[0].offset)  # read again: answered DUPLICATE
+            self._positions[tp] = records[0].offset
             return False
         if done < len(records):
             self._retry_later(consumer, tp, records[done], results[done])
+            self._positions[tp] = records[done].offset
             return False
+        self._positions[tp] = records[-1].offset + 1
         return True
 
     async def _process(self, records: Sequence[Any]) -> list[Result]:
@@ -279,6 +308,7 @@ class KafkaConsumerRunner(ConsumerRunner):
             self._epoch += 1
             for tp in revoked:
                 self._paused.pop(tp, None)
+                self._positions.pop(tp, None)
 
 
 def _partitions(consumer: Any, topic: str) -> list[Any]:

@@ -1,0 +1,97 @@
+"""Round-3 attack on the Kafka adapter through its public API: what a fresh look found."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import aiokafka.producer.message_accumulator as accumulator
+import aiokafka.producer.producer as producing
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
+
+from consumerdedup.adapters.kafka import OFFSET_HEADER
+from consumerdedup.headers import REASON_HEADER
+from tests.kafka.test_runner import Ledger, body, runner
+from tests.support.kafka_service import (  # noqa: F401
+    KafkaService,
+    Topics,
+    kafka_fixture,
+    topics_fixture,
+)
+
+
+@pytest.fixture(name="ledger")
+async def ledger_fixture(pg: Any) -> Any:
+    ledger = Ledger(pg)
+    yield ledger
+    await ledger.close()
+
+
+class NotUtf8(str):
+    """A header key that goes on the wire as bytes that are not UTF-8 (as a client in another
+    language may send: Kafka header keys are strings, the broker does not check them)."""
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"\xff\xfekey"
+
+
+@pytest.fixture(name="raw_header_keys")
+def raw_header_keys_fixture() -> Iterator[None]:
+    """aiokafka's pure-Python batch builder, which encodes header keys with ``str.encode``
+    (the C one takes only exact str): so a test producer can send a NotUtf8 key."""
+    saved = accumulator.DefaultRecordBatchBuilder, producing.DefaultRecordBatchBuilder
+    accumulator.DefaultRecordBatchBuilder = _DefaultRecordBatchBuilderPy
+    producing.DefaultRecordBatchBuilder = _DefaultRecordBatchBuilderPy
+    try:
+        yield
+    finally:
+        accumulator.DefaultRecordBatchBuilder, producing.DefaultRecordBatchBuilder = saved
+
+
+def ids(*names: str) -> list[tuple[str, bytes]]:
+    return [("event_id", name.encode()) for name in names]
+
+
+async def test_a_record_whose_header_key_is_not_utf8_does_not_stop_the_runner(
+    kafka: KafkaService, topics: Topics, ledger: Ledger, raw_header_keys: None
+) -> None:
+    """aiokafka raises UnicodeDecodeError out of getmany for such a record: run() died there,
+    before the healthy records in front of it, on every restart (all partitions stopped).
+    Now: every readable record is applied once, on every partition; the undecodable record
+    and the rest of its batch (aiokafka cannot read past it) are dead-lettered with the
+    reason; the offsets reach the end, so the next record of that partition is applied."""
+    topic = await topics.create("bad-header-key", partitions=3)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", linger_ms=200)
+    await producer.start()
+    try:
+        for p in (0, 2):
+            await producer.send_and_wait(topic, body(1), partition=p, headers=ids(f"p{p}-a"))
+        # One batch on partition 1: a readable record, the undecodable one, a readable one.
+        sent = [
+            await producer.send(topic, body(1), partition=1, headers=ids("p1-a")),
+            await producer.send(
+                topic, body(1), partition=1, headers=[(NotUtf8("k"), b"v"), *ids("p1-bad")]
+            ),
+            await producer.send(topic, body(1), partition=1, headers=ids("p1-c")),
+        ]
+        offsets = [(await future).offset for future in sent]
+        assert offsets == [0, 1, 2]
+        for p in (0, 1, 2):
+            await producer.send_and_wait(topic, body(1), partition=p, headers=ids(f"p{p}-z"))
+    finally:
+        await producer.stop()
+    group = "group-" + topic
+    await asyncio.wait_for(
+        runner(kafka, ledger.handle, topic, group_id=group).run(until_idle=True), 60
+    )
+    applied = ledger.applied()
+    assert sorted(applied) == ["p0-a", "p0-z", "p1-a", "p1-z", "p2-a", "p2-z"], applied
+    assert applied.index("p1-a") < applied.index("p1-z")
+    assert await topics.committed(group, topic) == {0: 2, 1: 4, 2: 2}
+    dead = await topics.records(topic + ".dlq")
+    assert [dict(r.headers)[OFFSET_HEADER] for r in dead] == [b"1", b"2"]
+    reasons = [dict(r.headers)[REASON_HEADER].decode() for r in dead]
+    assert "UnicodeDecodeError" in reasons[0] and "offset 1" in reasons[1], reasons
