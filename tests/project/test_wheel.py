@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["pyproject.toml", "setup.py", "README.md", "consumerdedup", "adapters"]
-EXTRAS = "postgres,sqlite-async,kafka,rabbitmq"
+EXTRAS = "postgres,sqlite-async,kafka,rabbitmq,redis,fastapi"  # every public module imports
 
 pytestmark = pytest.mark.slow
 
