@@ -16,6 +16,7 @@ which is what the tests count. Routes (POST unless said; principal = X-User):
   /expiring      expiry 1 s               /lease    lease 1 s (for SIGKILL)
   /wait          waits up to 5 s for an in-flight twin; /tx/wait the same, transactional
   /tx/commits    a transactional endpoint that commits the session itself (refused)
+  /tx/big        /big, transactional (its write commits when the response outgrows the limit)
   /small         max_request_body 1024
 CDD_HTTP_LOG: a file for the consumerdedup log lines (INFO).
   /patchable     POST and PATCH deduplicated; PATCH /payments passes through
@@ -65,6 +66,7 @@ POLICY = IdempotencyPolicy.of(
         "/wait": RoutePolicy(required=True, wait=timedelta(seconds=5)),
         "/tx/wait": RoutePolicy(required=True, transactional=True, wait=timedelta(seconds=5)),
         "/tx/commits": RoutePolicy(required=True, transactional=True),
+        "/tx/big": RoutePolicy(required=True, transactional=True),
         "/small": RoutePolicy(required=True, max_request_body=1024),
         "/patchable": RoutePolicy(methods=frozenset({"POST", "PATCH"})),
     }
@@ -226,7 +228,7 @@ def make_raw(backend: Backend) -> Any:
             await _answer(send, 500, {"run": run, "error": "boom"})
         elif path == "/reject":
             await _answer(send, 400, {"run": run, "error": "bad amount"})
-        elif path == "/big":
+        elif path in ("/big", "/tx/big"):
             await send({"type": "http.response.start", "status": 200, "headers": []})
             for i in range(4):
                 chunk = bytes([65 + i]) * (BIG // 4)

@@ -198,15 +198,18 @@ def test_a_400_from_the_endpoint_is_stored(server: Server) -> None:
     assert server.runs("reject", note) == 1
 
 
-def test_a_response_over_the_stored_size_is_sent_once_and_never_runs_again(server: Server) -> None:
+@pytest.mark.parametrize("path", ["/big", "/tx/big"])
+def test_a_response_over_the_stored_size_is_sent_once_and_never_runs_again(
+    server: Server, path: str
+) -> None:
     key, note = new_key(), new_key()
-    first = post(server, "/big", key, note.encode())
+    first = post(server, path, key, note.encode())
     assert first.status_code == 200 and len(first.content) == 2 * 1024 * 1024
     assert first.content[-1:] == b"D"  # every chunk arrived
-    document = assert_problem(post(server, "/big", key, note.encode()), 409, "response-not-stored")
+    document = assert_problem(post(server, path, key, note.encode()), 409, "response-not-stored")
     assert "200" in document["detail"]
-    assert "retry-after" not in post(server, "/big", key, note.encode()).headers
-    assert server.runs("big", note) == 1
+    assert "retry-after" not in post(server, path, key, note.encode()).headers
+    assert server.runs(path.strip("/"), note) == 1  # transactional: committed with the record
 
 
 def test_a_response_in_several_chunks_is_stored_whole(server: Server) -> None:

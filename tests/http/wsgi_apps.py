@@ -93,7 +93,7 @@ def make_app() -> Any:
             return answer(500, {"run": run, "error": "boom"})
         if path == "reject":
             return answer(400, {"run": run, "error": "bad amount"})
-        if path == "big":
+        if path in ("big", "tx/big"):
             chunks = (bytes([65 + i]) * (BIG // 4) for i in range(4))
             return Response(chunks, status=200)
         if path == "chunks":
