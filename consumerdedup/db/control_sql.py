@@ -24,8 +24,15 @@ _ANY_WORD = re.compile(r"\b(?:COMMIT|END|ABORT|ROLLBACK|BEGIN|START|PREPARE)\b",
 _WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9$]*")
 _PLAIN = re.compile(r"[^;'\"\-/$`\[]+")
 """A run of characters that cannot start a statement break, a comment or a quote."""
-_NAME_CHAR = re.compile(r"[A-Za-z_0-9$\u0080-\uffff]")
-_DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\u0080-\uffff][A-Za-z_0-9\u0080-\uffff]*)?\$")
+# Every character past ASCII is a name character to both servers (PostgreSQL: any byte of
+# \200-\377 in UTF-8), those outside the BMP (emoji) included.
+_NAME_CHAR = re.compile("[A-Za-z_0-9$\u0080-\U0010ffff]")
+_DOLLAR_TAG = re.compile("\\$(?:[A-Za-z_\u0080-\U0010ffff][A-Za-z_0-9\u0080-\U0010ffff]*)?\\$")
+_LINE_END = re.compile("[\r\n]")
+"""A ``--`` comment ends at CR too on PostgreSQL (SQLite: LF only; reading CR as an end
+there too only ever finds more statements, never fewer)."""
+_LITERAL_PREFIXES = {"'": ("E", "B", "X", "N"), "&": ("U",)}
+"""One-letter words that start a literal when glued to the quote (E'..', U&'..')."""
 
 
 @dataclass(frozen=True)
@@ -118,11 +125,11 @@ def _statement_heads(sql: str, reading: _Reading) -> Iterator[list[str]]:
         elif c.isspace():
             i += 1
         elif sql.startswith("--", i):
-            end = sql.find("\n", i)
-            i = n if end < 0 else end + 1
+            end = _LINE_END.search(sql, i)
+            i = n if end is None else end.end()
         elif sql.startswith("/*", i):
             i = _skip_block_comment(sql, i, reading.nested_comments)
-        elif head and (match := _WORD.match(sql, i)) and not _quote_prefix(sql, match.end()):
+        elif head and (match := _WORD.match(sql, i)) and not _quote_prefix(sql, match):
             words.append(match.group().upper())
             head = len(words) < 3
             i = match.end()
@@ -132,9 +139,12 @@ def _statement_heads(sql: str, reading: _Reading) -> Iterator[list[str]]:
     yield words
 
 
-def _quote_prefix(sql: str, end: int) -> bool:
-    """A word glued to a quote is a literal's prefix (E'..', U&'..', B'..'), not a keyword."""
-    return end < len(sql) and sql[end] in "'&"
+def _quote_prefix(sql: str, word: re.Match[str]) -> bool:
+    """A literal's prefix (E'..', U&'..', B'..'), not a keyword. Only these one-letter
+    words are: any longer word glued to a quote is read by both servers as that word
+    and then a string (``PREPARE TRANSACTION'x'``)."""
+    end = word.end()
+    return end < len(sql) and word.group().upper() in _LITERAL_PREFIXES.get(sql[end], ())
 
 
 def _skip_block_comment(sql: str, i: int, nested: bool) -> int:
