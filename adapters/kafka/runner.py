@@ -10,14 +10,22 @@ from typing import Any
 from aiokafka import ConsumerRebalanceListener, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
-from consumerdedup import ConfigurationError, Outcome, Result
+from consumerdedup import MAX_ID_LENGTH, ConfigurationError, Outcome, Result
 from consumerdedup.dedup.driving import AsyncDriver, Handler
 from consumerdedup.errors import describe
+from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from . import connection, undecodable
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig
-from .convert import BODY_DROPPED_HEADER, coordinates, dead_letter_headers, to_message
+from .convert import (
+    BODY_DROPPED_HEADER,
+    OFFSET_HEADER,
+    PARTITION_HEADER,
+    coordinates,
+    dead_letter_headers,
+    to_message,
+)
 from .errors import PublishFailed, PublishRefused
 from .publisher import KafkaPublisher
 
@@ -204,38 +212,57 @@ class KafkaConsumerRunner(ConsumerRunner):
     ) -> bool:
         """True once the copy is sent, or can never be: a refusal for good (too large, no
         right to the topic) must not hold the partition, so a copy without the value goes,
-        and if that is refused too the loss is logged at ERROR (the FAILED record is kept).
-        False for a failure that may pass (the broker away, the topic not there yet)."""
+        then a bare one (no value, no key, no original header but the id: any of them may be
+        what is too large); if that is refused too the loss is logged at ERROR (the FAILED
+        record is kept). False for a failure that may pass (the broker away, no topic yet)."""
         topic = self.config.dead_letters_of(record.topic)
         headers = dead_letter_headers(record, reason or "failed", self.driver.consumer)
         where = f"{coordinates(record)} to {topic}"
         # A null value goes as empty: aiokafka refuses a record with neither key nor value.
         value = record.value if isinstance(record.value, bytes) else b""
-        try:
-            await dead_letters.send(topic, value, key=record.key, headers=headers)
+        refused: list[str] = []
+        for copy in range(3):
+            if copy:
+                dropped = (BODY_DROPPED_HEADER, refused[0][:1000].encode())
+                headers = [*headers, dropped] if copy == 1 else self._bare(headers, dropped)
+                value = b""
+            try:
+                await dead_letters.send(
+                    topic, value, key=record.key if copy < 2 else None, headers=headers
+                )
+            except PublishRefused as exc:
+                refused.append(describe(exc))
+                continue
+            except PublishFailed as exc:
+                logger.error(
+                    "cannot dead-letter %s, it will be read again: %s", where, describe(exc)
+                )
+                return False
+            if refused:
+                logger.error(
+                    "dead-lettered %s without its value%s, which was refused: %s",
+                    where,
+                    "" if copy == 1 else ", key and headers",
+                    refused[0],
+                )
             return True
-        except PublishRefused as exc:
-            refused = describe(exc)
-        except PublishFailed as exc:
-            logger.error("cannot dead-letter %s, it will be read again: %s", where, describe(exc))
-            return False
-        dropped = [*headers, (BODY_DROPPED_HEADER, refused[:1000].encode())]
-        try:
-            await dead_letters.send(topic, b"", key=record.key, headers=dropped)
-        except PublishRefused as exc:
-            logger.error(
-                "cannot dead-letter %s, not even without its value (%s; then %s): it is not "
-                "dead-lettered, its FAILED record is kept",
-                where,
-                refused,
-                describe(exc),
-            )
-            return True
-        except PublishFailed as exc:
-            logger.error("cannot dead-letter %s, it will be read again: %s", where, describe(exc))
-            return False
-        logger.error("dead-lettered %s without its value, which was refused: %s", where, refused)
+        logger.error(
+            "cannot dead-letter %s, not even without its value, key and headers (%s): it is "
+            "not dead-lettered, its FAILED record is kept",
+            where,
+            "; then ".join(refused),
+        )
         return True
+
+    def _bare(self, headers: Sequence[Any], dropped: tuple[str, bytes]) -> list[Any]:
+        """Our headers and the id (when it can be one) of a dead letter, without the rest."""
+        ours = {REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER, PARTITION_HEADER, OFFSET_HEADER}
+        kept = [
+            (name, value)
+            for name, value in headers
+            if name in ours or (name == self.config.id_header and len(value) <= MAX_ID_LENGTH)
+        ]
+        return [*kept, dropped]
 
     async def _commit(self, consumer: Any, tp: Any, offset: int) -> bool:
         try:

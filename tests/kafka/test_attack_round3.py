@@ -12,8 +12,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
 
-from consumerdedup.adapters.kafka import OFFSET_HEADER
-from consumerdedup.headers import REASON_HEADER
+from consumerdedup.adapters.kafka import BODY_DROPPED_HEADER, OFFSET_HEADER
+from consumerdedup.headers import ID_HEADER, REASON_HEADER
 from tests.kafka.test_runner import Ledger, body, runner
 from tests.support.kafka_service import (  # noqa: F401
     KafkaService,
@@ -95,3 +95,32 @@ async def test_a_record_whose_header_key_is_not_utf8_does_not_stop_the_runner(
     assert [dict(r.headers)[OFFSET_HEADER] for r in dead] == [b"1", b"2"]
     reasons = [dict(r.headers)[REASON_HEADER].decode() for r in dead]
     assert "UnicodeDecodeError" in reasons[0] and "offset 1" in reasons[1], reasons
+
+
+@pytest.mark.parametrize("bulk", ["key", "header"])
+async def test_a_dead_letter_whose_key_or_headers_are_too_large_still_goes(
+    kafka: KafkaService, topics: Topics, ledger: Ledger, bulk: str
+) -> None:
+    """The copy without its value kept the record's key and headers: when they are what the
+    broker refuses (a 3 kB key or header over a max_request_size of 2,000), that copy was
+    refused too and the dead letter was lost (logged, not sent). The last copy now goes bare:
+    no value, no key, no original header but the id, saying why."""
+    topic = await topics.create("bulky-" + bulk)
+    fat = b"k" * 3000
+    await topics.produce(topic, body(1), event_id="m-1")
+    if bulk == "key":
+        await topics.produce(topic, body(2, fail="poison"), event_id="m-2", key=fat)
+    else:
+        await topics.produce(topic, body(2, fail="poison"), event_id="m-2", headers=[("t", fat)])
+    await topics.produce(topic, body(3), event_id="m-3")
+    group = "group-" + topic
+    small = runner(kafka, ledger.handle, topic, producer_options={"max_request_size": 2000})
+    await asyncio.wait_for(small.run(until_idle=True), 60)
+    assert ledger.applied() == ["m-1", "m-3"]
+    assert await topics.committed(group, topic) == {0: 3}
+    dead = await topics.records(topic + ".dlq")
+    assert len(dead) == 1, "the dead letter was not sent"
+    headers = dict(dead[0].headers)
+    assert (dead[0].value, dead[0].key, headers.get("t")) == (b"", None, None)
+    assert headers[ID_HEADER] == b"m-2" and headers[REASON_HEADER] == b"PermanentError: poison"
+    assert b"MessageSizeTooLargeError" in headers[BODY_DROPPED_HEADER]

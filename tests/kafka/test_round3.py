@@ -173,12 +173,9 @@ async def test_a_dead_letter_topic_we_may_not_write_does_not_hold_the_partition(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """TopicAuthorizationFailedError (Tansu has no ACLs: a double raising aiokafka's own error
-    for both the copy and the copy without value): the loss is logged at ERROR, the FAILED
-    record is kept, the partition goes on. A retriable error still holds it (test_runner)."""
-    double = grants_idempotence(
-        monkeypatch,
-        [("send", TopicAuthorizationFailedError()), ("send", TopicAuthorizationFailedError())],
-    )
+    for the copy, the copy without value and the bare copy): the loss is logged at ERROR, the
+    FAILED record is kept, the partition goes on. A retriable error still holds it (test_runner)."""
+    double = grants_idempotence(monkeypatch, [("send", TopicAuthorizationFailedError())] * 3)
     topic = await topics.create("no-acl")
     for n in (1, 2, 3):
         await topics.produce(topic, body(n, fail="poison" if n == 2 else None), event_id=f"m-{n}")
