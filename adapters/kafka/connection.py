@@ -6,6 +6,7 @@ is set here and refused in the options, before anything connects.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,16 +42,34 @@ def check_bootstrap(servers: object) -> None:
 
 
 def _host_port(entry: str) -> tuple[str, int | None]:
+    """(host, port) as aiokafka will read ``entry``; ("", None) for a form it would misread
+    (more than one ':' outside brackets, an unclosed bracket, a bracket around a non-IPv6
+    host, a space or a non-ASCII digit in it)."""
+    bad = "", None
+    if any(c.isspace() for c in entry):
+        return bad
     if entry.startswith("["):  # [IPv6]:port
-        host, _, rest = entry[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else (None if not rest else "bad")
+        host, closed, rest = entry[1:].partition("]")
+        if not closed or not _ipv6(host):
+            return bad
+        port: str | None = rest[1:] if rest.startswith(":") else (None if not rest else "bad")
     elif entry.count(":") == 1:
         host, _, port = entry.partition(":")
+    elif ":" in entry and not _ipv6(entry):  # host:port:more, not an IPv6 address
+        return bad
     else:
         host, port = entry, None
     if port is None:
         return host, None
-    return host, int(port) if port.isdigit() else -1
+    return host, int(port) if port.isascii() and port.isdigit() else -1
+
+
+def _ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def reject_owned(name: str, options: Mapping[str, Any], owned: set[str]) -> None:

@@ -12,7 +12,13 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
 
-from consumerdedup.adapters.kafka import BODY_DROPPED_HEADER, OFFSET_HEADER
+from consumerdedup import ConfigurationError, Deduplicator
+from consumerdedup.adapters.kafka import (
+    BODY_DROPPED_HEADER,
+    OFFSET_HEADER,
+    KafkaConsumerRunner,
+    KafkaPublisher,
+)
 from consumerdedup.headers import ID_HEADER, REASON_HEADER
 from tests.kafka.test_runner import Ledger, body, runner
 from tests.support.kafka_service import (  # noqa: F401
@@ -124,3 +130,30 @@ async def test_a_dead_letter_whose_key_or_headers_are_too_large_still_goes(
     assert (dead[0].value, dead[0].key, headers.get("t")) == (b"", None, None)
     assert headers[ID_HEADER] == b"m-2" and headers[REASON_HEADER] == b"PermanentError: poison"
     assert b"MessageSizeTooLargeError" in headers[BODY_DROPPED_HEADER]
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "localhost:9092:1",
+        "[::1",
+        "[::1:9092",
+        "[host]:9092",
+        "a b:9092",
+        "host:\uff19\uff10\uff19\uff12",
+    ],
+)
+def test_a_bootstrap_address_aiokafka_misreads_is_refused_at_construction(
+    address: str, sqlite_db: Any
+) -> None:
+    """Accepted before: aiokafka then read 'localhost:9092:1' as host 'localhost:9092' port 1
+    and '[::1' raised ValueError at start (BrokerUnavailable retried forever, or a raw error),
+    i.e. charged to the run, not said at construction."""
+    handler = Deduplicator(sqlite_db.engine, consumer="c").handler(lambda m, s: None)
+    for make in (
+        lambda: KafkaPublisher(address),
+        lambda: KafkaConsumerRunner(handler, "t", bootstrap_servers=address),
+    ):
+        with pytest.raises(ConfigurationError, match="host:port"):
+            make()
+    KafkaPublisher("::1, [::1]:9092, 10.0.0.1:9092, kafka_0.internal:9093")  # all fine
