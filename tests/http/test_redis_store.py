@@ -181,3 +181,20 @@ def test_durations_are_refused_unless_positive(store: RedisStore) -> None:
     assert isinstance(claimed, Claimed)
     with pytest.raises(ConfigurationError, match="expiry"):
         store.complete(SCOPE, "k", claimed.token, RESPONSE, timedelta(seconds=-1))
+
+
+def test_the_contract_on_redis_mismatch_not_stored_and_release(store: RedisStore) -> None:
+    claimed = store.claim(SCOPE, "k", "fp", LEASE)
+    assert isinstance(claimed, Claimed)
+    assert store.claim(SCOPE, "k", "other", LEASE) == Mismatch()  # in flight, another body
+    assert store.complete(SCOPE, "k", "f" * 32, RESPONSE, DAY) is False  # not the holder
+    assert isinstance(store.claim(SCOPE, "k", "fp", LEASE), InFlight)  # nothing written
+    gone = StoredResponse.unreplayable(200)
+    assert store.complete(SCOPE, "k", claimed.token, gone, DAY)
+    assert store.claim(SCOPE, "k", "fp", LEASE) == Completed(gone)  # remembered as not stored
+    assert store.release(SCOPE, "k", claimed.token) is None  # completed: release is a no-op
+    assert store.claim(SCOPE, "k", "fp", LEASE) == Completed(gone)
+    other = store.claim(SCOPE, "j", "fp", LEASE)
+    assert isinstance(other, Claimed)
+    store.release(SCOPE, "j", other.token)
+    assert isinstance(store.claim(SCOPE, "j", "another", LEASE), Claimed)  # freed for anyone
