@@ -16,9 +16,9 @@ concurrent connections, keep-alive) drives them all, round-robin, in the same ru
   and 20 clients on 20 keys (each key sent by every client at once: one runs, the others get
   409 or the replay);
 - ``POST /echo``: a JSON answer with no database, bare; through the middleware on the Redis
-  store; and through asgi-idempotency-header (a peer, Redis) where it is installed
-  (``pip install --no-deps asgi-idempotency-header``: its redis<5 pin is older than the code
-  needs), unique keys and replays for both.
+  store; and through asgi-idempotency-header (a peer, Redis; a dev dependency, installed
+  without its redis extra, which pins redis<5), unique keys and replays for both; where it
+  is not installed, the bench says so.
 
 The client is httpx by default; ``--client raw`` (bench/raw_client.py, a minimal asyncio
 HTTP/1.1 client) costs the CPUs a tenth as much, so on a small machine the server, not the
