@@ -94,7 +94,8 @@ def _converted(delivery: Delivery, queue: str, config: RabbitConfig) -> tuple[Me
 def dead_letter_properties(
     delivery: Delivery, reason: str, consumer: str, queue: str
 ) -> pika.BasicProperties:
-    """The original properties plus the reason headers, persistent, never expiring."""
+    """The original properties plus the reason headers, persistent, never expiring, without
+    the original's user_id (the broker checks it against our connection's user)."""
     props = copy.copy(delivery.properties)
     headers = delivery.properties.headers
     props.headers = {
@@ -105,6 +106,9 @@ def dead_letter_properties(
     }
     props.delivery_mode = pika.DeliveryMode.Persistent.value
     props.expiration = None  # a per-message TTL would expire the dead letter too
+    # RabbitMQ refuses a user_id other than the publishing connection's user (406): kept, a
+    # message another user published with its own would never be dead-lettered.
+    props.user_id = None
     return props
 
 

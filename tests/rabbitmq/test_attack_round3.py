@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import pika
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -20,6 +21,8 @@ from consumerdedup.adapters.rabbitmq import (
     RabbitPublisher,
 )
 from tests.cli.test_relay import relay_command
+from tests.rabbitmq.test_round3 import run_until_settled
+from tests.rabbitmq.test_runner import Consumer, body, dead_letters
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
 SECRET = "Se"
@@ -99,3 +102,43 @@ def test_a_port_that_never_answers_the_handshake_is_broker_unavailable(
     with db.engine.connect() as conn:
         attempts = conn.execute(select(db.tables.outbox.c.attempts)).scalars().all()
     assert attempts == [0]
+
+
+def test_a_message_published_with_another_users_user_id_is_dead_lettered(
+    db: Any, rabbit: Broker
+) -> None:
+    """RabbitMQ checks the user_id property against the publishing connection's user. The
+    dead-letter copy kept the original's: a message another user had published with its own
+    user_id (valid when it was sent) was refused on the runner's connection (406
+    PRECONDITION_FAILED), with and without its body, so it was never dead-lettered."""
+    queue = rabbit.queue()
+    user = rabbit.name("user")
+    ctl = ["rabbitmqctl", "--quiet"]
+    subprocess.run([*ctl, "add_user", user, "pw"], check=True, capture_output=True, timeout=60)
+    try:
+        subprocess.run(
+            [*ctl, "set_permissions", "-p", "/", user, ".*", ".*", ".*"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        params = pika.URLParameters(rabbit.url)
+        other = pika.BlockingConnection(
+            pika.URLParameters(f"amqp://{user}:pw@{params.host}:{params.port}/%2F")
+        )
+        try:
+            channel = other.channel()
+            channel.confirm_delivery()
+            for n, refuse in ((1, None), (2, "poison"), (3, None)):
+                properties = pika.BasicProperties(message_id=f"m-{n}", user_id=user)
+                channel.basic_publish("", queue, body(n=n, refuse=refuse), properties)
+        finally:
+            other.close()
+        consumer = Consumer(db, rabbit, queue)
+        run_until_settled(consumer, rabbit, queue, 2)
+    finally:
+        subprocess.run([*ctl, "delete_user", user], capture_output=True, timeout=60)
+    assert sorted(consumer.applied()) == ["m-1", "m-3"]
+    [(props, content)] = dead_letters(rabbit, queue)
+    assert (props.message_id, content) == ("m-2", body(n=2, refuse="poison"))
+    assert props.headers["x-dead-letter-reason"] == "PermanentError: poison"
