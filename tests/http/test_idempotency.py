@@ -338,40 +338,39 @@ def _hang(server: Server, path: str, key: str, note: str) -> threading.Thread:
     return thread
 
 
-def test_a_server_killed_mid_request_frees_the_key_after_the_lease(server: Server) -> None:
-    key, note = new_key(), new_key()
-    thread = _hang(server, "/lease", key, note)
-    server.kill()
-    thread.join(30)
-    server.start()
-    # Not transactional: the killed run's write committed on its own (documented); the retry
-    # waits for the lease (1 s) and then runs exactly once more.
-    retry = wait_for(
-        lambda: (r := post(server, "/lease", key, note.encode())).status_code != 409 and r,
-        what="the lease to run out",
-    )
-    assert retry.status_code == 201 and not replayed(retry)
-    assert replayed(post(server, "/lease", key, note.encode()))
-    assert server.runs("lease", note) == 2
-
-
-def test_a_server_killed_mid_transaction_leaves_nothing_and_the_retry_runs_once(
-    server: Server,
-) -> None:
-    key, note = new_key(), new_key()
+def test_a_server_killed_mid_request_leaves_a_key_the_retry_can_run_once(server: Server) -> None:
+    # One SIGKILL, two requests inside their endpoints: one non-transactional (lease 1 s),
+    # one transactional (its write and outbox event not yet committed).
+    plain_key, plain_note, tx_key, tx_note = new_key(), new_key(), new_key(), new_key()
     outbox_rows = f"SELECT count(*) FROM {server.qualified('outbox')}"
     before = server.count(outbox_rows)
-    thread = _hang(server, "/tx/payments", key, note)
+    threads = [_hang(server, "/lease", plain_key, plain_note)]
+    threads.append(_hang(server, "/tx/payments", tx_key, tx_note))
     server.kill()
-    thread.join(30)
+    for thread in threads:
+        thread.join(30)
     server.start()
-    assert server.runs("tx/payments", note) == 0 and server.count(outbox_rows) == before
+    # Transactional: no half-done effect, and the retry runs from scratch at once.
+    assert server.runs("tx/payments", tx_note) == 0 and server.count(outbox_rows) == before
     retry = wait_for(
-        lambda: (r := post(server, "/tx/payments", key, note.encode())).status_code != 409 and r,
+        lambda: (
+            (r := post(server, "/tx/payments", tx_key, tx_note.encode())).status_code != 409 and r
+        ),
         what="the dead transaction to roll back",
     )
     assert retry.status_code == 201 and not replayed(retry)
-    assert server.runs("tx/payments", note) == 1 and server.count(outbox_rows) == before + 1
+    assert server.runs("tx/payments", tx_note) == 1 and server.count(outbox_rows) == before + 1
+    # Not transactional: the killed run's write committed on its own (documented); the retry
+    # waits for the lease and then runs exactly once more.
+    retry = wait_for(
+        lambda: (
+            (r := post(server, "/lease", plain_key, plain_note.encode())).status_code != 409 and r
+        ),
+        what="the lease to run out",
+    )
+    assert retry.status_code == 201 and not replayed(retry)
+    assert replayed(post(server, "/lease", plain_key, plain_note.encode()))
+    assert server.runs("lease", plain_note) == 2
 
 
 @pytest.mark.parametrize("path", ["/payments?sleep=0.5", "/tx/payments?sleep=0.5"])
@@ -403,7 +402,7 @@ def test_a_key_reused_after_expiry_is_a_new_request(server: Server) -> None:
 def test_a_long_endpoint_keeps_its_claim_past_the_lease(server: Server) -> None:
     key, note = new_key(), new_key()
     first: list[httpx.Response] = []
-    path = "/lease?sleep=2.5"  # lease 1 s: only renewal keeps twins out
+    path = "/lease?sleep=1.8"  # lease 1 s: only renewal keeps twins out
     thread = threading.Thread(target=lambda: first.append(post(server, path, key, note.encode())))
     thread.start()
     wait_for(lambda: server.runs("lease", note) == 1, what="the first request to run")
