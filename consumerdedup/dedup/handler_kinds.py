@@ -80,8 +80,27 @@ def check_returned(fn: Any, returned: Any) -> None:
         inspect.isawaitable(returned)
         or inspect.isgenerator(returned)
         or inspect.isasyncgen(returned)
+        or _holds_unstarted(returned)
     ):
         raise HandlerNotRun(_returned(fn, returned))
+
+
+def _holds_unstarted(returned: Any) -> bool:
+    """An object holding a generator or coroutine whose body has not started: the handler
+    returned its work wrapped (``@contextlib.contextmanager`` on the handler returns a
+    context manager around the un-run generator). One level deep: the handler's own."""
+    try:
+        held = list(vars(returned).values())
+    except TypeError:  # no __dict__: None, numbers, a driver's result
+        return False
+    for value in held:
+        if inspect.isgenerator(value) and inspect.getgeneratorstate(value) == "GEN_CREATED":
+            value.close()
+            return True
+        if inspect.iscoroutine(value) and inspect.getcoroutinestate(value) == "CORO_CREATED":
+            value.close()
+            return True
+    return False
 
 
 def check_awaitable(fn: Any, returned: Any) -> None:
@@ -107,7 +126,8 @@ def _not_run(fn: Any, found: str, instead: str) -> str:
 def _returned(fn: Any, returned: Any) -> str:
     return (
         f"handler {fn!r} returned a {type(returned).__name__} instead of running: its body did "
-        "not run (a generator, or a coroutine that was never awaited), so its message is not "
-        "recorded; make the handler run its work when called (remove yield, add the missing "
-        "await, or use the deduplicator of its kind)"
+        "not run (a generator, a coroutine that was never awaited, or a context manager "
+        "around one), so its message is not recorded; make the handler run its work when "
+        "called (remove yield or @contextmanager, add the missing await, or use the "
+        "deduplicator of its kind)"
     )

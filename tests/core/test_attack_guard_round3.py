@@ -7,13 +7,27 @@ another, and what a handler can do around the statements the guard sees.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
+from consumerdedup import AsyncDeduplicator, ConfigurationError, Deduplicator, Message
 from consumerdedup.db.control_sql import transaction_control
 from tests.conftest import Database
 from tests.core.test_guard_fails_closed import ends_alone
+from tests.core.test_pipeline_attacks import (
+    FAST,
+    create_ledger,
+    effects,
+    order,
+    records,
+)
 
 EMOJI = "\U0001f600"
 LEXER_MISSES = [
@@ -39,3 +53,53 @@ def test_spellings_the_lexer_read_differently_fail_their_message_alone(
     """Before: claim-first [t1, t2, t3] ended all DUPLICATE with t3's effect never made;
     check-first kept t2's effect four times though t2 was recorded FAILED."""
     ends_alone(db, flavor, spelling)
+
+
+# A handler whose call returns its work wrapped ----------------------------------------------
+
+
+@pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
+def test_a_contextmanager_handler_records_nothing(db: Database, claim_first: bool) -> None:
+    """``@contextmanager`` on a handler: its call returns a context manager around the un-run
+    generator. Before: PROCESSED with no effect, every redelivery DUPLICATE."""
+    ledger = create_ledger(db)
+    dedup = Deduplicator(db.engine, "c", tables=db.tables, retry=FAST)
+
+    @dedup.handler(claim_first=claim_first)
+    @contextlib.contextmanager
+    def handle(message: Message, session: Session) -> Iterator[None]:
+        session.execute(text(f"INSERT INTO {ledger} (message_id) VALUES (:m)"), {"m": message.id})
+        yield
+
+    with pytest.raises(ConfigurationError, match="contextmanager"):
+        handle.process_batch([order("t1"), order("t2")])
+    assert effects(db, ledger) == []
+    assert records(db) == {}
+
+
+def test_an_async_handler_returning_a_context_manager_records_nothing(db: Database) -> None:
+    ledger = create_ledger(db)
+    engine = db.async_engine()
+
+    @contextlib.contextmanager
+    def work(session: Any) -> Iterator[None]:
+        yield
+
+    async def go() -> None:
+        try:
+            dedup = AsyncDeduplicator(engine, "c", tables=db.tables, retry=FAST)
+
+            @dedup.handler
+            async def handle(message: Message, session: AsyncSession) -> Any:
+                return work(session)
+
+            with pytest.raises(ConfigurationError, match="context manager"):
+                await handle.process(order("t1"))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(go())
+    assert effects(db, ledger) == []
+    assert records(db) == {}
+
+
