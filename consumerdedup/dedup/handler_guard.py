@@ -14,7 +14,8 @@ that statement; everything else is caught when the handler returns and
 reported with the error the handler swallowed. The guard is installed on the
 engine of the connection the handler really uses, whatever engine its
 session was made from. Not refused in advance: the raw DB-API connection's
-own ``commit()``/``rollback()`` (caught when the handler returns).
+own ``commit()``/``rollback()`` (caught at the handler's next statement, or when it
+returns; what such a commit committed stays committed).
 """
 
 from __future__ import annotations
@@ -106,6 +107,15 @@ def _before_statement(conn: Connection, _cursor: Any, statement: str, *_args: An
     ended = conn.info.get(_ENDED)
     if ended:  # SQLite would run what follows outside any transaction, committing it at once
         raise TransactionBroken(f"{ended}; the handler went on with more statements: {_ADVICE}")
+    if _driver_state(conn) == "ended":
+        # Ended since the last statement we saw: by the raw DB-API connection's commit() or
+        # rollback(). This statement would begin a new transaction that then passes for ours.
+        conn.info[_ENDED] = "the transaction ended outside SQLAlchemy (the raw DB-API connection)"
+        raise TransactionBroken(
+            "the handler ended the transaction through the raw DB-API connection (its commit() "
+            f"or rollback()), then sent another statement: {_NO_COMMIT}; never use the raw "
+            "connection in a handler"
+        )
     word = transaction_control(statement, conn.dialect.name)
     if word:
         conn.info[_ENDED] = f"the handler sent {word}"

@@ -17,12 +17,14 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from consumerdedup import AsyncDeduplicator, ConfigurationError, Deduplicator, Message
+from consumerdedup import AsyncDeduplicator, ConfigurationError, Deduplicator, Message, Outcome
 from consumerdedup.db.control_sql import transaction_control
+from consumerdedup.errors import TransactionBroken
 from tests.conftest import Database
-from tests.core.test_guard_fails_closed import ends_alone
+from tests.core.test_guard_fails_closed import KIND_IDS, KINDS, ends_alone
 from tests.core.test_pipeline_attacks import (
     FAST,
+    assert_invariants,
     create_ledger,
     effects,
     order,
@@ -53,6 +55,70 @@ def test_spellings_the_lexer_read_differently_fail_their_message_alone(
     """Before: claim-first [t1, t2, t3] ended all DUPLICATE with t3's effect never made;
     check-first kept t2's effect four times though t2 was recorded FAILED."""
     ends_alone(db, flavor, spelling)
+
+
+# A transaction ended through the raw DB-API connection, then another statement ------------
+
+
+def run_batch(kind: str, db: Database, claim_first: bool, fn: Any, sync_fn: Any) -> Any:
+    """Process [t1, t2, t3]; t2's handler also runs ``sync_fn`` / awaits ``fn`` on its session."""
+    ledger = create_ledger(db)
+    batch = [order("t1"), order("t2", end=True), order("t3")]
+    sql = text(f"INSERT INTO {ledger} (message_id) VALUES (:m)")
+    if kind == "sync":
+        dedup = Deduplicator(db.engine, "c", tables=db.tables, retry=FAST)
+
+        def handle(message: Message, session: Session) -> None:
+            session.execute(sql, {"m": message.id})
+            if message.json().get("end"):
+                sync_fn(session)
+                session.execute(sql, {"m": message.id + "-after"})
+
+        handler = dedup.handler(claim_first=claim_first)(handle)
+        return ledger, batch, handler.process_batch(batch), handler.process_batch(batch)
+    engine = db.async_engine()
+
+    async def go() -> Any:
+        try:
+            dedup = AsyncDeduplicator(engine, "c", tables=db.tables, retry=FAST)
+
+            async def handle(message: Message, session: AsyncSession) -> None:
+                await session.execute(sql, {"m": message.id})
+                if message.json().get("end"):
+                    await fn(session)
+                    await session.execute(sql, {"m": message.id + "-after"})
+
+            handler = dedup.handler(claim_first=claim_first)(handle)
+            return await handler.process_batch(batch), await handler.process_batch(batch)
+        finally:
+            await engine.dispose()
+
+    return (ledger, batch, *asyncio.run(go()))
+
+
+def raw_rollback(session: Session) -> None:
+    session.connection().connection.driver_connection.rollback()  # type: ignore[union-attr]
+
+
+async def raw_rollback_async(session: AsyncSession) -> None:
+    connection = await session.connection()
+    raw = await connection.get_raw_connection()
+    await raw.driver_connection.rollback()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("kind", "claim_first"), KINDS, ids=KIND_IDS)
+def test_a_raw_rollback_followed_by_a_statement_fails_its_message_alone(
+    db: Database, kind: str, claim_first: bool
+) -> None:
+    """Before: the driver began a new transaction at the next statement, which passed for
+    ours: claim-first reported all three PROCESSED with no record at all (t1 lost, t3 applied
+    again on every redelivery)."""
+    ledger, _, results, again = run_batch(kind, db, claim_first, raw_rollback_async, raw_rollback)
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert isinstance(results[1].error, TransactionBroken), results[1].reason
+    assert effects(db, ledger) == ["t1", "t3"]
+    assert_invariants(db, ledger, results)
+    assert [r.outcome for r in again] == [Outcome.DUPLICATE, Outcome.FAILED, Outcome.DUPLICATE]
 
 
 # A handler whose call returns its work wrapped ----------------------------------------------
@@ -101,5 +167,3 @@ def test_an_async_handler_returning_a_context_manager_records_nothing(db: Databa
     asyncio.run(go())
     assert effects(db, ledger) == []
     assert records(db) == {}
-
-
