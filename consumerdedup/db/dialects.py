@@ -91,6 +91,28 @@ def require_transaction(conn: Connection, what: str, *, driver: bool = True) -> 
         raise ConfigurationError(_autocommit_message(what))
 
 
+def require_readable(conn: Connection, what: str) -> None:
+    """ConfigurationError unless the DB-API connection itself reports its transaction state.
+
+    The dialect's name says which module SQLAlchemy would load; ``module=`` or a
+    ``creator=`` returning a wrapper (a tracing proxy) can hand it another kind of
+    connection, on which every check of the transaction would be meaningless.
+    """
+    driver_connection = conn.connection.driver_connection
+    status = getattr(getattr(driver_connection, "info", None), "transaction_status", None)
+    readable = status is not None if conn.dialect.name == "postgresql" else None
+    if readable is None:
+        readable = isinstance(getattr(driver_connection, "in_transaction", None), bool)
+    if not readable:
+        raise ConfigurationError(
+            f"{what}: the {conn.dialect.name}+{conn.dialect.driver} connection "
+            f"({type(driver_connection).__name__}) does not report the open transaction, so "
+            "whether a handler's work can commit cannot be verified; give the engine the "
+            "DB-API module its dialect loads itself (no module=, and no creator= returning a "
+            "wrapper around the connection)"
+        )
+
+
 def in_driver_transaction(driver_connection: Any) -> bool:
     """The driver's own word that a transaction is open (no round trip)."""
     info = getattr(driver_connection, "info", None)

@@ -7,10 +7,11 @@ from typing import Any, overload
 
 import tenacity
 from sqlalchemy import Connection, Engine
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..db import dialects, sqlite
-from ..errors import ConfigurationError, PermanentError
+from ..errors import ConfigurationError, PermanentError, describe
 from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
@@ -31,6 +32,14 @@ from .pipeline import Batch, Pipeline
 from .settings import DeduplicatorSettings, Observer
 
 HandlerFn = Callable[[Message, Session], Any]
+_MAY_PASS = (
+    sa_exc.DBAPIError,
+    sa_exc.TimeoutError,
+    sa_exc.DisconnectionError,
+    OSError,
+    ConfigurationError,
+)
+"""What beginning a transaction may raise for reasons that pass: the retry policy's to judge."""
 
 
 class Deduplicator(DeduplicatorSettings):
@@ -194,6 +203,15 @@ def begin_checked(session: Session, what: str) -> None:
             "(PROCESSED would be reported for work the caller may still roll back); give "
             "sessions bound to an engine, or to a connection not in a transaction"
         )
-    connection = session.connection()
+    try:
+        connection = session.connection()
+    except _MAY_PASS:  # the database is unreachable, the pool is full: retried
+        raise
+    except Exception as exc:  # a creator=, a connect listener or a dialect that breaks
+        raise ConfigurationError(
+            f"{what}: the session factory's engine could not begin a transaction "
+            f"({describe(exc)}): this is its setup, not any message's fault"
+        ) from exc
+    dialects.require_readable(connection, what)
     sqlite.begin_immediate(connection)
     dialects.require_transaction(connection, what)

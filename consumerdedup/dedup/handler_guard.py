@@ -155,6 +155,18 @@ class HandlerCall:
         self.transaction: SessionTransaction | None = session.get_transaction()
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = info = connection.info
+        # Our claim or lookup has run in this transaction: a driver that does not say it is
+        # open now is one whose state we cannot read (a DB-API swapped in through module= or
+        # creator=): refused, as every check below would be meaningless on it.
+        if _driver_state(connection) != "open":
+            raise ConfigurationError(
+                f"{connection.dialect.name}+{connection.dialect.driver}: the connection "
+                f"({type(connection.connection.driver_connection).__name__}) does not report "
+                "the open transaction before the handler runs, so whether the handler's work "
+                "can commit cannot be verified; give the engine the DB-API module its dialect "
+                "loads itself (no module=, and no creator= returning a wrapper around the "
+                "connection)"
+            )
         info.pop(_LAST_ERROR, None)
         info.pop(_ENDED, None)
         info[_HANDLER_RUNNING] = True

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -167,3 +168,90 @@ def test_an_async_handler_returning_a_context_manager_records_nothing(db: Databa
     asyncio.run(go())
     assert effects(db, ledger) == []
     assert records(db) == {}
+
+
+# A DB-API connection whose transaction state cannot be read ---------------------------------
+
+
+class Traced:
+    """A tracing wrapper (``creator=``) that forwards the DB-API methods and nothing else."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self.connection = connection
+
+    def cursor(self) -> sqlite3.Cursor:
+        return self.connection.cursor()
+
+    def commit(self) -> None:
+        self.connection.commit()
+
+    def rollback(self) -> None:
+        self.connection.rollback()
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def create_function(self, *args: Any, **kwargs: Any) -> None:
+        self.connection.create_function(*args, **kwargs)
+
+
+@pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
+def test_a_connection_that_does_not_report_its_transaction_is_refused(
+    sqlite_db: Database, claim_first: bool
+) -> None:
+    """Before: the AttributeError of the missing attribute was retried, then each message
+    ended FAILED and dead-lettered: a setup fault charged to the messages."""
+    path = sqlite_db.url.removeprefix("sqlite:///")
+    engine = create_engine("sqlite://", creator=lambda: Traced(sqlite3.connect(path)))
+    ledger = create_ledger(sqlite_db)
+    try:
+        dedup = Deduplicator(engine, "c", tables=sqlite_db.tables, retry=FAST)
+
+        @dedup.handler(claim_first=claim_first)
+        def handle(message: Message, session: Session) -> None:
+            session.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('x')"))
+
+        with pytest.raises(ConfigurationError, match="does not report the open transaction"):
+            handle.process_batch([order("t1"), order("t2")])
+    finally:
+        engine.dispose()
+    assert effects(sqlite_db, ledger) == []
+    assert records(sqlite_db) == {}
+
+
+class TracedPsycopg:
+    """The same wrapper over psycopg: SQLAlchemy's dialect itself breaks on it when connecting."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        return self.connection.cursor(*args, **kwargs)
+
+    def commit(self) -> None:
+        self.connection.commit()
+
+    def rollback(self) -> None:
+        self.connection.rollback()
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def test_an_engine_that_breaks_while_connecting_stops_the_run(pg: Database) -> None:
+    """Before: the dialect's AttributeError was retried, then both messages ended FAILED and
+    were dead-lettered. A connection refused by the server is still retried (OperationalError)."""
+    import psycopg
+
+    url = pg.engine.url
+    engine = create_engine(
+        url, creator=lambda: TracedPsycopg(psycopg.connect(host=url.host, dbname=url.database))
+    )
+    try:
+        dedup = Deduplicator(engine, "c", tables=pg.tables, retry=FAST)
+        handle = dedup.handler(lambda message, session: None)
+        with pytest.raises(ConfigurationError, match="could not begin a transaction"):
+            handle.process_batch([order("t1"), order("t2")])
+    finally:
+        engine.dispose()
+    assert records(pg) == {}
