@@ -24,6 +24,7 @@ from .store import (
     TransactionalStore,
 )
 from .stored import StoredResponse
+from .transactional import CommitInEndpoint
 from .wsgi import WSGIIdempotencyMiddleware
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "AsyncTransactionalStore",
     "ClaimResult",
     "Claimed",
+    "CommitInEndpoint",
     "Completed",
     "Fingerprinter",
     "IdempotencyMiddleware",
