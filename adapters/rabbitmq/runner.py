@@ -15,6 +15,7 @@ import pika.exceptions  # type: ignore[import-untyped]
 
 from consumerdedup import ConfigurationError, Message, Outcome
 from consumerdedup.dedup.driving import BlockingDriver, Handler
+from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
@@ -222,41 +223,44 @@ class RabbitConsumerRunner(ConsumerRunner):
     def _dead_letter(self, connection: Any, delivery: Delivery, reason: str) -> bool:
         """Publish a copy with the reason to the dead-letter queue; True once it is confirmed,
         or once it can never be: a refusal for good (over the broker's max_message_size, no
-        access) must not hold the queue, so a copy without the body goes, and if that is
-        refused too the loss is logged at ERROR (the FAILED record is kept). False for a
-        failure that may pass (no DLQ or exchange yet, a nack): the message backs off.
+        access, properties over the frame size) must not hold the queue, so a copy without the
+        body goes, then a bare one (no original header either); if that is refused too the
+        loss is logged at ERROR (the FAILED record is kept). False for a failure that may pass
+        (no DLQ or exchange yet, a nack): the message backs off.
 
         On a channel of its own: a refused publish closes that channel only, so the
         consuming channel keeps its deliveries and can still ack the batch-mates.
         """
         properties = dead_letter_properties(delivery, reason, self.driver.consumer, self.queue)
-        refused = self._publish_dead_letter(connection, delivery.body, properties)
-        if refused is None:
-            return True
-        if not isinstance(refused, PublishRefused):
-            self._log_unsent(refused)
-            return False
-        stripped = copy.copy(properties)
-        stripped.headers = {**properties.headers, BODY_DROPPED_HEADER: str(refused)[:1000]}
-        again = self._publish_dead_letter(connection, b"", stripped)
-        if again is None:
-            log.error(
-                "dead-lettered a message of %r to %r without its body, which was refused: %s",
-                self.queue,
-                self.dead_letter_queue,
-                refused,
-            )
-            return True
-        if not isinstance(again, PublishRefused):
-            self._log_unsent(again)
-            return False
+        body, refused = delivery.body, list[PublishFailed]()
+        for copy_number in range(3):
+            if copy_number:
+                properties = copy.copy(properties)
+                kept = properties.headers if copy_number == 1 else _ours(properties.headers)
+                properties.headers = {**kept, BODY_DROPPED_HEADER: str(refused[0])[:1000]}
+                body = b""
+            error = self._publish_dead_letter(connection, body, properties)
+            if error is None:
+                if refused:
+                    log.error(
+                        "dead-lettered a message of %r to %r without its body%s, which was "
+                        "refused: %s",
+                        self.queue,
+                        self.dead_letter_queue,
+                        "" if copy_number == 1 else " and headers",
+                        refused[0],
+                    )
+                return True
+            if not isinstance(error, PublishRefused):
+                self._log_unsent(error)
+                return False
+            refused.append(error)
         log.error(
-            "cannot dead-letter a message of %r to %r, not even without its body (%s; then "
-            "%s): it is not dead-lettered, its FAILED record is kept",
+            "cannot dead-letter a message of %r to %r, not even without its body (%s): it is "
+            "not dead-lettered, its FAILED record is kept",
             self.queue,
             self.dead_letter_queue,
-            refused,
-            again,
+            "; then ".join(str(e) for e in refused),
         )
         return True
 
@@ -265,6 +269,10 @@ class RabbitConsumerRunner(ConsumerRunner):
     ) -> PublishFailed | None:
         """Publish and wait for the confirm; the failure, if any, as one of our errors."""
         exchange = self.config.dead_letter_exchange
+        if _header_frame_size(properties) > _frame_max(connection, self._params):
+            # The broker would close the whole connection (501 FRAME_ERROR), and the message
+            # would come back after the reconnect, again and again.
+            return PublishRefused("the copy's properties and headers exceed the frame size")
         try:
             if self._dead_letters is None or not self._dead_letters.is_open:
                 self._dead_letters = connection.channel()
@@ -305,3 +313,23 @@ class RabbitConsumerRunner(ConsumerRunner):
         deadline = time.monotonic() + seconds
         while not self.stopping and (left := deadline - time.monotonic()) > 0:
             connection.process_data_events(time_limit=min(left, POLL))
+
+
+_OURS = (REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER)
+
+
+def _ours(headers: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in headers.items() if name in _OURS}
+
+
+def _header_frame_size(properties: Any) -> int:
+    """Bytes of the content-header frame that would carry ``properties``: class, weight and
+    body size (12), the encoded properties, the frame's own header and end (8)."""
+    return 20 + len(b"".join(properties.encode()))
+
+
+def _frame_max(connection: Any, params: Any) -> int:
+    """The frame size the broker and we agreed on (pika keeps it on the connection's
+    parameters after the tune); what we asked for if that cannot be read."""
+    agreed = getattr(getattr(getattr(connection, "_impl", None), "params", None), "frame_max", None)
+    return agreed if isinstance(agreed, int) else int(params.frame_max)

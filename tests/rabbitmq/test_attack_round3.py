@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from consumerdedup import ConfigurationError, Deduplicator, Outbox, OutboxRelay
 from consumerdedup.adapters.rabbitmq import (
+    BODY_DROPPED_HEADER,
     BrokerUnavailable,
     RabbitConfig,
     RabbitConsumerRunner,
@@ -142,3 +143,29 @@ def test_a_message_published_with_another_users_user_id_is_dead_lettered(
     [(props, content)] = dead_letters(rabbit, queue)
     assert (props.message_id, content) == ("m-2", body(n=2, refuse="poison"))
     assert props.headers["x-dead-letter-reason"] == "PermanentError: poison"
+
+
+def test_a_dead_letter_whose_headers_outgrow_the_frame_does_not_hold_the_queue(
+    db: Any, rabbit: Broker
+) -> None:
+    """A message whose headers nearly fill a frame (the broker's frame_max, 128 kB) fits; its
+    dead-letter copy, with our reason headers added, does not: RabbitMQ closed the whole
+    connection (501 FRAME_ERROR), the runner reconnected, the message came back with its
+    batch-mates unacked, and so on forever (29 reconnects in 15 s, nothing acked). Now a copy
+    over the frame is refused before it is sent, and a bare copy (no body, only our headers)
+    goes, saying why; the queue moves on."""
+    queue = rabbit.queue()
+    rabbit.publish(queue, body(n=1), "m-1")
+    lean = pika.BasicProperties(message_id="m-2", delivery_mode=2, headers={"fat": ""})
+    room = 131_072 - 20 - len(b"".join(lean.encode()))  # the whole frame, less what is there
+    fat = "v" * (room - 40)  # fits; our reason, consumer and source headers will not
+    rabbit.publish(queue, body(refuse="poison"), "m-2", headers={"fat": fat})
+    rabbit.publish(queue, body(n=3), "m-3")
+    consumer = Consumer(db, rabbit, queue)
+    run_until_settled(consumer, rabbit, queue, 2)
+    assert sorted(consumer.applied()) == ["m-1", "m-3"]
+    assert consumer.runner.reconnects == 0
+    [(props, content)] = dead_letters(rabbit, queue)
+    assert (props.message_id, content, props.headers.get("fat")) == ("m-2", b"", None)
+    assert props.headers["x-dead-letter-reason"] == "PermanentError: poison"
+    assert "frame" in props.headers[BODY_DROPPED_HEADER]
