@@ -164,3 +164,16 @@ def _log_attempt(state: tenacity.RetryCallState) -> None:
         error,
         wait,
     )
+
+
+def header_frame_size(properties: Any) -> int:
+    """Bytes of the content-header frame that would carry ``properties``: class, weight and
+    body size (12), the encoded properties, the frame's own header and end (8)."""
+    return 20 + len(b"".join(properties.encode()))
+
+
+def frame_max(connection: Any, params: Any) -> int:
+    """The frame size the broker and we agreed on (pika keeps it on the connection's
+    parameters after the tune); what we asked for if that cannot be read."""
+    agreed = getattr(getattr(getattr(connection, "_impl", None), "params", None), "frame_max", None)
+    return agreed if isinstance(agreed, int) else int(params.frame_max)

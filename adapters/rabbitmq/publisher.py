@@ -20,7 +20,7 @@ from consumerdedup.outbox.publisher import Publisher
 from consumerdedup.retry import Backoff
 
 from .config import DEFAULT_URL
-from .connection import close_quietly, connect, parameters
+from .connection import close_quietly, connect, frame_max, header_frame_size, parameters
 from .errors import (
     BrokerUnavailable,
     ExchangeMissing,
@@ -140,6 +140,13 @@ class RabbitPublisher(Publisher):
         try:
             if self._channel is None or not self._channel.is_open:
                 self._open()
+            if header_frame_size(properties) > frame_max(self._connection, self._params):
+                # The broker would close the connection (501 FRAME_ERROR): taken for an outage,
+                # this event would hold the relay's every round, and every key behind it.
+                raise PublishRefused(
+                    f"cannot publish to {exchange!r}: the message's properties and headers "
+                    "exceed the connection's frame size (frame_max)"
+                )
             self._channel.basic_publish(
                 exchange, routing_key, body, properties=properties, mandatory=True
             )

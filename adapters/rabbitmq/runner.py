@@ -19,7 +19,7 @@ from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
-from .connection import close_quietly, connect, parameters
+from .connection import close_quietly, connect, frame_max, header_frame_size, parameters
 from .convert import BODY_DROPPED_HEADER, Delivery, dead_letter_properties, to_message
 from .errors import PublishFailed, PublishNacked, PublishRefused, TopologyError, Unroutable
 from .publisher import channel_closed
@@ -269,7 +269,7 @@ class RabbitConsumerRunner(ConsumerRunner):
     ) -> PublishFailed | None:
         """Publish and wait for the confirm; the failure, if any, as one of our errors."""
         exchange = self.config.dead_letter_exchange
-        if _header_frame_size(properties) > _frame_max(connection, self._params):
+        if header_frame_size(properties) > frame_max(connection, self._params):
             # The broker would close the whole connection (501 FRAME_ERROR), and the message
             # would come back after the reconnect, again and again.
             return PublishRefused("the copy's properties and headers exceed the frame size")
@@ -320,16 +320,3 @@ _OURS = (REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER)
 
 def _ours(headers: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in headers.items() if name in _OURS}
-
-
-def _header_frame_size(properties: Any) -> int:
-    """Bytes of the content-header frame that would carry ``properties``: class, weight and
-    body size (12), the encoded properties, the frame's own header and end (8)."""
-    return 20 + len(b"".join(properties.encode()))
-
-
-def _frame_max(connection: Any, params: Any) -> int:
-    """The frame size the broker and we agreed on (pika keeps it on the connection's
-    parameters after the tune); what we asked for if that cannot be read."""
-    agreed = getattr(getattr(getattr(connection, "_impl", None), "params", None), "frame_max", None)
-    return agreed if isinstance(agreed, int) else int(params.frame_max)

@@ -169,3 +169,29 @@ def test_a_dead_letter_whose_headers_outgrow_the_frame_does_not_hold_the_queue(
     assert (props.message_id, content, props.headers.get("fat")) == ("m-2", b"", None)
     assert props.headers["x-dead-letter-reason"] == "PermanentError: poison"
     assert "frame" in props.headers[BODY_DROPPED_HEADER]
+
+
+def test_an_outbox_event_whose_headers_outgrow_the_frame_fails_alone(
+    db: Any, rabbit: Broker, amqp_url: str
+) -> None:
+    """An event added with headers over the frame size: RabbitMQ closed the relay's whole
+    connection (501 FRAME_ERROR), RabbitPublisher took it for an outage (BrokerUnavailable),
+    so the relay charged nothing and ended every round there: no event behind it, of any
+    key, was ever published again. Now the publisher refuses that event before sending
+    (PublishRefused): it is charged and holds back only its own key."""
+    queue = rabbit.queue()
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session, session.begin():
+        outbox.add(session, queue, b"a", key="a")
+        outbox.add(session, queue, b"fat", key="f", headers={"h": "v" * 140_000})
+        outbox.add(session, queue, b"b", key="b")
+    with OutboxRelay(db.engine, RabbitPublisher(amqp_url), tables=db.tables) as relay:
+        assert relay.run_once() == 2
+    assert sorted(content for _, content in rabbit.peek(queue)) == [b"a", b"b"]
+    with db.engine.connect() as conn:
+        [(attempts, error)] = conn.execute(
+            select(db.tables.outbox.c.attempts, db.tables.outbox.c.last_error).where(
+                db.tables.outbox.c.published_at.is_(None)
+            )
+        ).all()
+    assert attempts == 1 and "frame" in error, error
