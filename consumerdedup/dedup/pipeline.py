@@ -19,6 +19,7 @@ from ..errors import (
     HeldBack,
     InvalidMessage,
     PayloadMismatch,
+    PermanentError,
     RecordedFailure,
     RetryLater,
     describe,
@@ -164,7 +165,7 @@ class Pipeline:
                 handled.append(item)
             refused = [item for item in span if item.result is None and item.refused]
             ours = [] if self.claim_first else handled
-            if (ours or refused) and len((yield from self._insert(ours, refused))) < len(
+            if (ours or refused) and len((yield from self._record(ours, refused, handled))) < len(
                 ours + refused
             ):
                 # A twin committed one of these keys meanwhile: undo all, let the lookup decide.
@@ -320,6 +321,22 @@ class Pipeline:
             inserted |= yield from self._ours(Execute(statement, params, Statements.read_recorded))
         return inserted
 
+    def _record(
+        self, processed: Sequence[_Item], failed: Sequence[_Item], handled: Sequence[_Item]
+    ) -> Generator[Op, Any, set[str]]:
+        """``_insert`` after handlers ran in this transaction: a setup error there may be a
+        handler's doing (``set_config('transaction_read_only', ...)``, ``SET ROLE``), so it
+        is no setup fault yet: the span halves down to the culprit, whose FAILED record is
+        then written with no handler in its transaction (where a real setup fault stops)."""
+        try:
+            return (yield from self._insert(processed, failed))
+        except ConfigurationError as exc:
+            if not handled:
+                raise
+            raise RecordRefused(
+                f"the dedup record could not be written after the handler ran ({describe(exc)})"
+            ) from exc
+
     def _lookup(self, keys: Sequence[str]) -> Generator[Op, Any, dict[str, Recorded]]:
         found: dict[str, Recorded] = {}
         for statement, params in self.statements.lookups(self.consumer, keys):
@@ -405,6 +422,10 @@ class StatementRefused(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(error)
         self.error = error
+
+
+class RecordRefused(PermanentError):
+    """Our record was refused as by a setup fault, in a transaction where a handler ran."""
 
 
 def _outcome(item: _Item) -> Outcome | None:

@@ -255,3 +255,32 @@ def test_an_engine_that_breaks_while_connecting_stops_the_run(pg: Database) -> N
     finally:
         engine.dispose()
     assert records(pg) == {}
+
+
+# A handler that makes its own transaction refuse our record ---------------------------------
+
+
+@pytest.mark.parametrize("db", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("flavor", ["sync-check", "async-check"], indirect=True)
+def test_a_handler_that_makes_the_transaction_read_only_fails_alone(
+    db: Database, flavor: Any
+) -> None:
+    """Check-first records after the handlers; t2's handler made the transaction read only,
+    so that INSERT met 25006, read as a setup fault: process_batch raised ConfigurationError on
+    every delivery of t2 (the runner stopped for good, 0 of 3 decided). Now t2 fails alone:
+    its FAILED record is written with no handler in the transaction, where a real read-only
+    database still stops the run (tests/core/test_setup_errors.py)."""
+    ledger = create_ledger(db)
+    read_only = "SELECT set_config('transaction_read_only', 'on', true)"
+
+    def behavior(message: Message) -> list[tuple[str, dict[str, Any]]]:
+        steps = [(f"INSERT INTO {ledger} (message_id) VALUES (:m)", {"m": message.id})]
+        return steps + ([(read_only, {})] if message.json().get("end") else [])
+
+    handle = flavor.wrap(behavior, consumer="c", retry=FAST)
+    batch = [order("t1"), order("t2", end=True), order("t3")]
+    results = handle.process_batch(batch)
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert "read-only" in (results[1].reason or ""), results[1].reason
+    assert effects(db, ledger) == ["t1", "t3"]
+    assert_invariants(db, ledger, results)
