@@ -13,7 +13,7 @@ from collections.abc import Generator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, or_, select, text, update
+from sqlalchemy import and_, bindparam, delete, literal_column, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import Executable
 
@@ -99,10 +99,9 @@ class KeyStatements:
         self.complete_in = update(t).where(where_key, t.c.state == IN_FLIGHT).values(**finish)
         self.renew = update(t).where(mine).values(locked_until=bindparam("b_locked_until"))
         self.release = delete(t).where(mine)
-        self.swap_lock_timeout = text(
-            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', :value, true)"
-        )
-        self.set_lock_timeout = text("SELECT set_config('lock_timeout', :value, true)")
+        self.waiting: tuple[Executable, Executable, Executable] | None = None
+        if dialect == "postgresql":
+            self.waiting = _waiting_claim(t, self.insert, self.reclaim)
 
     def claim_steps(
         self,
@@ -111,9 +110,14 @@ class KeyStatements:
         fingerprint: str,
         now: datetime,
         lease: timedelta | None,
+        wait: timedelta | None = None,
     ) -> Generator[Step, Sequence[Any], ClaimResult]:
         """The claim; inside the request's transaction the row lock holds it, and ``lease``
-        only frees a claim row committed without its response (None: never)."""
+        only frees a claim row committed without its response (None: never).
+
+        ``wait`` (PostgreSQL, inside the request's transaction): the claim waits at most this
+        long on a twin's row lock; lock_timeout is set for the claim and restored by whichever
+        statement claims, in the same round trips (see _waiting_claim)."""
         token = new_token()
         locked_until = now + lease if lease is not None else None
         params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_fingerprint": fingerprint}
@@ -121,10 +125,17 @@ class KeyStatements:
         row: dict[str, Any] = {"scope": scope, "key": key, "fingerprint": fingerprint}
         row["state"] = IN_FLIGHT
         row |= {"token": token, "locked_until": locked_until, "created_at": now}
+        insert: Executable = self.insert
+        again: Executable = self.insert
+        reclaim: Executable = self.reclaim
+        if wait is not None and self.waiting is not None:
+            insert, again, reclaim = self.waiting
+            row["b_wait"] = lock_wait(wait)
         for _ in range(_ATTEMPTS):
-            if (yield self.insert, row):
+            if (yield insert, row):
                 return Claimed(token)
-            if (yield self.reclaim, params):
+            insert = again  # lock_timeout is saved once, and stays set until a claim restores it
+            if (yield reclaim, params):
                 return Claimed(token)
             found = yield self.read, {"b_scope": scope, "b_key": key}
             if found:
@@ -162,6 +173,35 @@ def judge(row: Any, fingerprint: str, now: datetime) -> ClaimResult:
     except (TypeError, ValueError) as error:
         raise CorruptStoredResponse(f"stored headers unreadable: {error}") from None
     return Completed(StoredResponse(int(row.status), headers, bytes(row.body or b"")))
+
+
+_SAVED = "consumerdedup.lock_timeout"
+_RESTORE = f"set_config('lock_timeout', current_setting('{_SAVED}'), true)"
+
+
+def _waiting_claim(
+    table: Any, insert: Any, reclaim: Any
+) -> tuple[Executable, Executable, Executable]:
+    """PostgreSQL's claim inside the request's transaction, with its own lock_timeout and no
+    extra round trip: the first INSERT saves the session's lock_timeout (in a
+    transaction-local setting of ours), sets the route's wait, and restores it in RETURNING
+    when it claims; a later INSERT or the reclaim UPDATE restores it when they claim. When
+    nothing claims, the endpoint does not run and the transaction is rolled back."""
+    columns = ("scope", "key", "fingerprint", "state", "token", "locked_until", "created_at")
+    quote = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+    name = quote.format_table(table)
+    listed = ", ".join(quote.quote(c) for c in columns)
+    values = ", ".join(f":{c}" for c in columns)
+    first = text(
+        f"WITH saved AS MATERIALIZED (SELECT set_config('{_SAVED}', "
+        "current_setting('lock_timeout'), true) AS kept, "
+        "set_config('lock_timeout', :b_wait, true) AS waiting) "
+        f"INSERT INTO {name} ({listed}) SELECT {values} FROM saved "
+        f"ON CONFLICT ({quote.quote('scope')}, {quote.quote('key')}) DO NOTHING "
+        f"RETURNING {quote.quote('key')}, {_RESTORE}"
+    )
+    restore: Any = literal_column(_RESTORE)
+    return first, insert.returning(restore), reclaim.returning(restore)
 
 
 def lock_wait(wait: timedelta) -> str:

@@ -122,14 +122,9 @@ class SqlStore:
             _begin_waiting(conn, wait)
         else:
             _begin(conn)
-        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease)
-        if conn.dialect.name != "postgresql":
-            return _drive_sync(conn, steps)
-        swap = self.statements.swap_lock_timeout
-        previous = conn.execute(swap, {"value": lock_wait(wait)}).scalar_one()
-        result = _drive_sync(conn, steps)
-        conn.execute(self.statements.set_lock_timeout, {"value": previous})
-        return result
+        pg_wait = wait if conn.dialect.name == "postgresql" else None
+        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease, pg_wait)
+        return _drive_sync(conn, steps)
 
     def complete_in(
         self, session: Session, scope: str, key: str, response: StoredResponse, expiry: timedelta
@@ -198,14 +193,9 @@ class AsyncSqlStore:
             await conn.run_sync(_begin_waiting, wait)
         else:
             await conn.run_sync(_begin)
-        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease)
-        if conn.dialect.name != "postgresql":
-            return await _drive_async(conn, steps)
-        swap = self.statements.swap_lock_timeout
-        previous = (await conn.execute(swap, {"value": lock_wait(wait)})).scalar_one()
-        result = await _drive_async(conn, steps)
-        await conn.execute(self.statements.set_lock_timeout, {"value": previous})
-        return result
+        pg_wait = wait if conn.dialect.name == "postgresql" else None
+        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease, pg_wait)
+        return await _drive_async(conn, steps)
 
     async def complete_in(
         self,
