@@ -76,6 +76,9 @@ def _publisher(args: argparse.Namespace) -> Publisher | AsyncPublisher:
         adapter = importlib.import_module(f"consumerdedup.adapters.{broker}")
     except ImportError as error:
         raise UsageError(describe(error)) from None
+    if not args.verbose:  # the drivers log each failure with a traceback: our one line says it
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+        logging.getLogger("pika").setLevel(logging.CRITICAL)
     publisher: Publisher | AsyncPublisher
     # A bad address is the command line's fault, said now (exit 2), not charged to events.
     try:

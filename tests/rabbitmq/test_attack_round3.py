@@ -195,3 +195,23 @@ def test_an_outbox_event_whose_headers_outgrow_the_frame_fails_alone(
             )
         ).all()
     assert attempts == 1 and "frame" in error, error
+
+
+def test_the_relay_command_says_refused_credentials_in_one_line(db: Any, amqp_url: str) -> None:
+    """pika logs the refused handshake at ERROR with a traceback ('Error in
+    _create_connection()'); the command printed five driver lines and that traceback before
+    its own line. Without --verbose: one line, exit 1, no password, no event charged."""
+    params = pika.URLParameters(amqp_url)
+    url = f"amqp://guest:Wr0ng-Pw@{params.host}:{params.port}/%2F"
+    outbox = Outbox(db.tables)
+    with Session(db.engine) as session, session.begin():
+        outbox.add(session, "q", b"{}", key="k")
+    done = subprocess.run(
+        relay_command(db, "--rabbitmq", url, "--once"), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "BrokerRefused" in lines[0], done.stderr
+    assert "Wr0ng-Pw" not in done.stdout + done.stderr
+    with db.engine.connect() as conn:
+        assert conn.execute(select(db.tables.outbox.c.attempts)).scalars().all() == [0]
