@@ -107,9 +107,10 @@ def _before_statement(conn: Connection, _cursor: Any, statement: str, *_args: An
     ended = conn.info.get(_ENDED)
     if ended:  # SQLite would run what follows outside any transaction, committing it at once
         raise TransactionBroken(f"{ended}; the handler went on with more statements: {_ADVICE}")
-    if _driver_state(conn) == "ended":
+    if _idle(conn):
         # Ended since the last statement we saw: by the raw DB-API connection's commit() or
         # rollback(). This statement would begin a new transaction that then passes for ours.
+        # (A lost connection is not idle: its statement fails as it would, and is retried.)
         conn.info[_ENDED] = "the transaction ended outside SQLAlchemy (the raw DB-API connection)"
         raise TransactionBroken(
             "the handler ended the transaction through the raw DB-API connection (its commit() "
@@ -209,6 +210,15 @@ class HandlerCall:
                 "the database transaction ended inside the handler: the pipeline must "
                 "commit the handler's writes with the dedup record"
             )
+
+
+def _idle(connection: Connection) -> bool:
+    """The driver says no transaction is open, on a healthy connection."""
+    driver_connection = connection.connection.driver_connection
+    status = getattr(getattr(driver_connection, "info", None), "transaction_status", None)
+    if status is not None:
+        return int(status) == 0  # psycopg's IDLE (UNKNOWN, 4, is a lost connection)
+    return getattr(driver_connection, "in_transaction", None) is False
 
 
 def _driver_state(connection: Connection) -> str:
