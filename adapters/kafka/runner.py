@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition  # type: ignore[import-untyped]
-from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+from aiokafka.errors import IllegalStateError, KafkaError  # type: ignore[import-untyped]
 
 from consumerdedup import MAX_ID_LENGTH, ConfigurationError, Outcome, Result
 from consumerdedup.dedup.driving import AsyncDriver, Handler
@@ -131,7 +131,10 @@ class KafkaConsumerRunner(ConsumerRunner):
                     max_records=size * max(1, len(consumer.assignment())),
                 )
             except undecodable.UNDECODABLE:
-                await self._read_alone(consumer, dead_letters)
+                try:
+                    await self._read_alone(consumer, dead_letters)
+                except IllegalStateError:  # a rebalance took a partition meanwhile: read anew
+                    logger.info("a rebalance came while reading partitions alone; reading on")
                 continue
             if not fetched:
                 if until_idle and not self._paused and await self._drained(consumer):
