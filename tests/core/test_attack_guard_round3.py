@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from consumerdedup import AsyncDeduplicator, ConfigurationError, Deduplicator, Message, Outcome
 from consumerdedup.db.control_sql import transaction_control
@@ -284,3 +284,39 @@ def test_a_handler_that_makes_the_transaction_read_only_fails_alone(
     assert "read-only" in (results[1].reason or ""), results[1].reason
     assert effects(db, ledger) == ["t1", "t3"]
     assert_invariants(db, ledger, results)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_session_factory_without_autobegin_stops_the_run(db: Database, kind: str) -> None:
+    """Before: SQLAlchemy's 'Autobegin is disabled on this Session' was retried, then every
+    message ended FAILED and was dead-lettered, a setup fault charged to the messages."""
+    messages = [order("t1"), order("t2")]
+    if kind == "sync":
+        dedup = Deduplicator(
+            db.engine,
+            "c",
+            tables=db.tables,
+            retry=FAST,
+            session_factory=sessionmaker(db.engine, autobegin=False),
+        )
+        with pytest.raises(ConfigurationError, match="Autobegin is disabled"):
+            dedup.handler(lambda message, session: None).process_batch(messages)
+    else:
+        engine = db.async_engine()
+
+        async def nothing(message: Message, session: AsyncSession) -> None:
+            pass
+
+        async def go() -> None:
+            try:
+                factory = async_sessionmaker(engine, autobegin=False)
+                dedup = AsyncDeduplicator(
+                    engine, "c", tables=db.tables, retry=FAST, session_factory=factory
+                )
+                with pytest.raises(ConfigurationError, match="Autobegin is disabled"):
+                    await dedup.handler(nothing).process_batch(messages)
+            finally:
+                await engine.dispose()
+
+        asyncio.run(go())
+    assert records(db) == {}
