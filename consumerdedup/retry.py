@@ -24,8 +24,13 @@ _TRANSIENT_SQLSTATES = (
     "57P01",
     "57P02",
     "57P03",
-    "53300",
+    "53",
+    "55P03",
 )
+"""Class 53 is the server's resources (disk full 53100, out of shared memory 53200: a
+partitioned claim of a huge batch can exhaust the lock table for every session, too many
+connections 53300) and 55P03 a lock not obtained within lock_timeout or NOWAIT: contention
+or the environment, never the message's own fault."""
 
 
 # SQLite result codes that pass, or that no message is to blame for: a lock held by
@@ -50,12 +55,17 @@ failure: once the migration lands or the rights are granted, the redelivery succ
 
 _SETUP_SQLITE = ("no such table", "no such column", "has no column named")
 """SQLite's words for 42P01 and 42703 (its code is only the generic SQLITE_ERROR)."""
+_SETUP_SQLITE_CODES = ("SQLITE_READONLY",)
+"""25006 on SQLite: a file opened read-only (mode=ro, file permissions). Only the bare code:
+SQLITE_READONLY_RECOVERY and the other extended codes pass or are the file's state."""
 
 
 def setup_fault(error: BaseException) -> bool:
     """The database refused a statement because of its setup: see SETUP_SQLSTATES."""
     orig = getattr(error, "orig", None) or error
     if getattr(orig, "sqlstate", None) in SETUP_SQLSTATES:
+        return True
+    if getattr(orig, "sqlite_errorname", None) in _SETUP_SQLITE_CODES:
         return True
     return getattr(orig, "sqlite_errorname", None) == "SQLITE_ERROR" and any(
         words in str(orig) for words in _SETUP_SQLITE
@@ -171,7 +181,28 @@ def classify(exc: BaseException) -> ErrorKind:
         return _driver_kind(exc)
     if isinstance(exc, sqlalchemy.exc.DisconnectionError | sqlalchemy.exc.TimeoutError):
         return ErrorKind.TRANSIENT
+    return _by_cause(exc)
+
+
+def _by_cause(exc: BaseException) -> ErrorKind:
+    """An error of the handler's own type that wraps a database error (``raise
+    StorageError(...) from exc``, or raised inside its ``except``): a transient or setup
+    fault under it decides, or one bad deploy would dead-letter every message whose handler
+    wraps its errors. Anything else stays UNKNOWN."""
+    seen = {id(exc)}
+    link = _under(exc)
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, sqlalchemy.exc.DBAPIError) and (
+            _driver_kind(link) is ErrorKind.TRANSIENT
+        ):
+            return ErrorKind.TRANSIENT
+        link = _under(link)
     return ErrorKind.UNKNOWN
+
+
+def _under(exc: BaseException) -> BaseException | None:
+    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 
 
 def _driver_kind(exc: sqlalchemy.exc.DBAPIError) -> ErrorKind:

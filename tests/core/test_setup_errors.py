@@ -74,11 +74,6 @@ def test_our_statements_refused_by_the_setup_are_a_configuration_error(
     assert_configuration_error(pg, flavor)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17 item 19 on SQLite: 'attempt to write a readonly database' from our own "
-    "claim is retried (RETRY on every delivery), not a ConfigurationError as the README says",
-)
 @pytest.mark.parametrize("kind", ["sync-claim", "sync-check", "async-claim", "async-check"])
 def test_a_read_only_sqlite_database_is_a_configuration_error(
     sqlite_db: Database, kind: str

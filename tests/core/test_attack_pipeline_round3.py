@@ -1,0 +1,149 @@
+"""Attacking the issue-17 pipeline through the public API (round 3, fresh eyes).
+
+- A handler that wraps a setup fault in an error of its own (``raise StorageError(...)
+  from exc``, or raised inside its ``except``) had its message FAILED and dead-lettered for
+  good: the wrapper hid the 42P01 / "no such table" that the pipeline reads as transient.
+- The server's resource and lock faults (53100 disk full, 53200 out of shared memory,
+  55P03 lock not available) met by a handler ended FAILED: the environment's fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from consumerdedup import (
+    AsyncDeduplicator,
+    Deduplicator,
+    Message,
+    Outcome,
+    Result,
+    RetryPolicy,
+)
+from tests.conftest import Database
+
+FAST = RetryPolicy(attempts=3, initial_delay=timedelta(0), max_delay=timedelta(0))
+MODES = [("sync", True), ("sync", False), ("async", True), ("async", False)]
+
+
+class StorageError(Exception):
+    """A handler's own error type, as a repository layer raises it."""
+
+
+def _process(
+    db: Database,
+    kind: str,
+    claim_first: bool,
+    body: Any,
+    messages: list[Message],
+    dead: list[Result],
+    consumer: str = "c",
+    ordered: bool = False,
+) -> list[Result]:
+    """Run ``body(message, run)`` as a handler of ``kind``; ``run(sql)`` executes SQL."""
+    if kind == "sync":
+        dedup = Deduplicator(
+            db.engine, consumer, tables=db.tables, retry=FAST, dead_letter=dead.append
+        )
+
+        @dedup.handler(claim_first=claim_first)
+        def handle(message: Message, session: Any) -> None:
+            body(message, lambda sql: session.execute(text(sql)))
+
+        return handle.process_batch(messages, ordered=ordered)
+
+    async def main() -> list[Result]:
+        engine = db.async_engine()
+        try:
+            adedup = AsyncDeduplicator(
+                engine, consumer, tables=db.tables, retry=FAST, dead_letter=dead.append
+            )
+
+            @adedup.handler(claim_first=claim_first)
+            async def ahandle(message: Message, session: Any) -> None:
+                statements: list[str] = []
+                body(message, statements.append)
+                for sql in statements:
+                    await session.execute(text(sql))
+
+            return await ahandle.process_batch(messages, ordered=ordered)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+def _records(db: Database) -> int:
+    return int(db.scalar(f"SELECT count(*) FROM {db.name('processed_events')}"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["from", "inside-except"])
+@pytest.mark.parametrize(("kind", "claim_first"), MODES)
+def test_a_wrapped_setup_fault_is_never_a_permanent_failure(
+    db: Database, kind: str, claim_first: bool, how: str
+) -> None:
+    missing = db.name("not_migrated_yet")
+
+    def body(message: Message, run: Any) -> None:
+        run(f"SELECT * FROM {missing}")
+
+    def wrapping(message: Message, run: Any) -> None:
+        try:
+            body(message, run)
+        except Exception as exc:
+            if how == "from":
+                raise StorageError("could not load the order") from exc
+            raise StorageError("could not load the order")  # noqa: B904
+
+    dead: list[Result] = []
+    if kind == "async":
+        results = _process_async_wrapped(db, claim_first, missing, how, dead)
+    else:
+        results = _process(db, kind, claim_first, wrapping, [Message(id="m", body=b"{}")], dead)
+    assert [r.outcome for r in results] == [Outcome.RETRY], results[0].reason
+    assert _records(db) == 0 and dead == []
+
+
+def _process_async_wrapped(
+    db: Database, claim_first: bool, missing: str, how: str, dead: list[Result]
+) -> list[Result]:
+    async def main() -> list[Result]:
+        engine = db.async_engine()
+        try:
+            dedup = AsyncDeduplicator(
+                engine, "c", tables=db.tables, retry=FAST, dead_letter=dead.append
+            )
+
+            @dedup.handler(claim_first=claim_first)
+            async def handle(message: Message, session: Any) -> None:
+                try:
+                    await session.execute(text(f"SELECT * FROM {missing}"))
+                except Exception as exc:
+                    if how == "from":
+                        raise StorageError("could not load the order") from exc
+                    raise StorageError("could not load the order")  # noqa: B904
+
+            return await handle.process_batch([Message(id="m", body=b"{}")])
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("sqlstate", ["53100", "53200", "55P03"])
+@pytest.mark.parametrize(("kind", "claim_first"), MODES)
+def test_resource_and_lock_faults_in_a_handler_are_transient(
+    pg: Database, kind: str, claim_first: bool, sqlstate: str
+) -> None:
+    sql = f"DO $$ BEGIN RAISE EXCEPTION 'the server' USING ERRCODE = '{sqlstate}'; END $$"
+    dead: list[Result] = []
+    results = _process(
+        pg, kind, claim_first, lambda m, run: run(sql), [Message(id="m", body=b"{}")], dead
+    )
+    assert [r.outcome for r in results] == [Outcome.RETRY], results[0].reason
+    assert _records(pg) == 0 and dead == []
