@@ -275,9 +275,16 @@ class _Exchange:
         while True:
             await asyncio.sleep(every)
             held = self.held
-            if not await _call(
-                self.owner.store.renew, held.scope, held.key, self.token, policy.lease
-            ):
+            try:
+                kept = await _call(
+                    self.owner.store.renew, held.scope, held.key, self.token, policy.lease
+                )
+            except Exception:
+                # One failed renewal (a dropped connection, a blip) must not end the renewing:
+                # the next one may still hold the claim before its lease runs out.
+                log.exception("idempotency lease renewal failed for %s", held.scope)
+                continue
+            if not kept:
                 log.warning("idempotency claim lost %s: its lease ran out", held.scope)
                 return
 

@@ -1,0 +1,186 @@
+"""Round-3 attacks on consumerdedup.http through its public API, with a real server.
+
+Each test was written against the code before its fix and failed there (see the commit
+messages). The app (``make_app``, served by uvicorn in a subprocess) is a raw ASGI app
+over the suite's Backend (tests/http/asgi_apps.py), with the routes these attacks need:
+  /lease-long    lease 1 s; runs ?sleep=S seconds (past its lease: renewals keep it)
+  /after-raise   answers 201 completely, then raises (work after the response, as a
+                 Starlette BackgroundTask that fails)
+  /after-slow    answers 201 completely, then works 5 s more (a slow BackgroundTask)
+  /tx/sql-end    transactional: writes, then sends ?sql=COMMIT|END as SQL, then answers
+The server's PostgreSQL connections carry an application_name of their own, so a test can
+terminate exactly them (and never another process's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
+from consumerdedup.http.asgi import SESSION_KEY
+from consumerdedup.schema import install
+from tests.http.asgi_apps import Backend, _answer, _read
+from tests.http.conftest import Server, ServerKind, new_key, wait_for
+
+APP_NAME = "CDD_ATTACK_APP_NAME"
+POLICY = IdempotencyPolicy.of(
+    {
+        "/lease-long": RoutePolicy(required=True, lease=timedelta(seconds=1)),
+        "/tx/*": RoutePolicy(required=True, transactional=True),
+    },
+    default=RoutePolicy(required=True),
+)
+
+
+def make_app() -> Any:
+    if name := os.environ.get(APP_NAME):
+        url = make_url(os.environ["CDD_HTTP_DB"]).update_query_dict({"application_name": name})
+        os.environ["CDD_HTTP_DB"] = url.render_as_string(hide_password=False)
+    backend = Backend()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await _read(receive)
+        path = scope["path"]
+        query = dict(p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
+        if path == "/health":
+            await _answer(send, 200, {"ok": True})
+            return
+        route = path.strip("/")
+        if path.startswith("/tx/"):
+            session = scope[SESSION_KEY]
+            run = await backend.record_in(session, route, None, "")
+            statement = text(query.get("sql", "COMMIT"))
+            if isinstance(session, AsyncSession):
+                await session.execute(statement)
+            else:
+                await asyncio.to_thread(session.execute, statement)
+            await _answer(send, 201, {"run": run})
+            return
+        run = await backend.record(route, None, "")
+        if "sleep" in query:
+            await asyncio.sleep(float(query["sleep"]))
+        await _answer(send, 201, {"run": run})
+        if path == "/after-raise":
+            raise RuntimeError("work after the response failed")
+        if path == "/after-slow":
+            await asyncio.sleep(5)
+
+    return IdempotencyMiddleware(app, backend.engine, policy=POLICY, tables=backend.tables)
+
+
+def _uvicorn(port: int) -> list[str]:
+    from tests.http.conftest import uvicorn
+
+    argv = uvicorn(port)
+    argv[argv.index("tests.http.asgi_apps:make_app")] = "tests.http.test_attack_round3:make_app"
+    return argv
+
+
+KINDS = [
+    ServerKind("attack-postgresql-async", "postgresql", {"CDD_HTTP_ASYNC": "1"}, _uvicorn),
+    ServerKind("attack-postgresql-sync", "postgresql", {}, _uvicorn),
+    ServerKind("attack-sqlite-sync", "sqlite", {}, _uvicorn),
+]
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
+def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
+    kind: ServerKind = request.param
+    app_name = f"cdd_attack_{uuid.uuid4().hex[:12]}"
+    kind = ServerKind(kind.name, kind.database, {**kind.env, APP_NAME: app_name}, kind.command)
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind.database == "sqlite":
+            url, schema = f"sqlite:///{tmp}/http.db", ""
+            with create_engine(url).connect() as conn:
+                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        else:
+            url = request.getfixturevalue("postgres_url")
+            schema = f"h_{uuid.uuid4().hex[:12]}"
+        markers = Path(tmp) / "markers"
+        markers.mkdir()
+        server = Server(kind, url, schema, markers)
+        install(server.engine, server.tables)
+        server.runs_table.create(server.engine)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+            if schema:
+                with server.engine.begin() as conn:
+                    conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            server.engine.dispose()
+
+
+def _keyed(key: str) -> dict[str, str]:
+    return {"Idempotency-Key": key}
+
+
+def test_one_failed_lease_renewal_does_not_let_a_twin_run_beside_the_endpoint(
+    attacked: Server,
+) -> None:
+    """The store fails once while the endpoint runs (its pooled connections terminated):
+    the renewal must go on, so no twin claims the key while the first still runs."""
+    if attacked.kind.database != "postgresql":
+        pytest.skip("terminates the server's PostgreSQL connections")
+    key = new_key()
+    first: dict[str, int] = {}
+
+    def run_first() -> None:
+        reply = httpx.post(
+            attacked.url + "/lease-long?sleep=2.5", headers=_keyed(key), json={}, timeout=30
+        )
+        first["status"] = reply.status_code
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    wait_for(lambda: attacked.runs("lease-long") == 1, what="the first request's run")
+    with attacked.engine.connect() as conn:  # before the first renewal (a third of the lease)
+        conn.execute(
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"
+            ),
+            {"n": attacked.kind.env[APP_NAME]},
+        )
+    table = attacked.qualified("idempotency_keys")
+
+    def lease() -> Any:
+        with attacked.engine.connect() as conn:
+            query = f"SELECT locked_until, clock_timestamp() AS now FROM {table} WHERE key = :k"
+            return conn.execute(text(query), {"k": key}).one()
+
+    claimed_until = lease().locked_until
+    # Touch nothing until the renewal met the terminated connection: renewed since, or lapsed.
+    wait_for(
+        lambda: (row := lease()).locked_until != claimed_until or row.now > row.locked_until,
+        what="the claim renewed or lapsed",
+    )
+    twins: list[int] = []
+    while thread.is_alive():
+        reply = httpx.post(
+            attacked.url + "/lease-long?sleep=2.5", headers=_keyed(key), json={}, timeout=30
+        )
+        replayed = reply.headers.get("idempotent-replayed") == "true"
+        twins.append(0 if replayed else reply.status_code)  # a replay once the first is done
+    thread.join()
+    assert attacked.runs("lease-long") == 1, f"a twin ran beside the first; twins got {twins}"
+    # A twin whose own claim met a terminated connection got 500 without running: fine.
+    assert first["status"] == 201 and 409 in twins and set(twins) <= {0, 409, 500}
