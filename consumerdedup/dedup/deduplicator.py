@@ -195,6 +195,12 @@ def begin_checked(session: Session, what: str) -> None:
     """Before our first statement, on the connection the session really uses: a real
     transaction (BEGIN IMMEDIATE on SQLite), on a supported driver, not in autocommit,
     and the session's own (its commit is the database's)."""
+    if session.twophase:  # PREPARE TRANSACTION at our COMMIT: a crash there holds the claims
+        raise ConfigurationError(
+            f"{what}: the session factory gives two-phase sessions (twophase=True); our "
+            "commit must be a plain COMMIT (a prepared transaction left by a crash would hold "
+            "its claims' locks until resolved by hand); use a session factory without twophase"
+        )
     bind = session.get_bind()
     if isinstance(bind, Connection) and bind.in_transaction() and not session.in_transaction():
         raise ConfigurationError(

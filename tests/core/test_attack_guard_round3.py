@@ -320,3 +320,34 @@ def test_a_session_factory_without_autobegin_stops_the_run(db: Database, kind: s
 
         asyncio.run(go())
     assert records(db) == {}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_two_phase_session_factory_stops_the_run(db: Database, kind: str) -> None:
+    """Before, on PostgreSQL without prepared transactions: PREPARE TRANSACTION at our commit
+    failed, and every message ended FAILED and dead-lettered (a setup fault charged to them)."""
+    messages = [order("t1"), order("t2")]
+    if kind == "sync":
+        factory: Any = sessionmaker(db.engine, twophase=True)
+        dedup = Deduplicator(db.engine, "c", tables=db.tables, retry=FAST, session_factory=factory)
+        with pytest.raises(ConfigurationError, match="twophase"):
+            dedup.handler(lambda message, session: None).process_batch(messages)
+    else:
+        engine = db.async_engine()
+
+        async def nothing(message: Message, session: AsyncSession) -> None:
+            pass
+
+        async def go() -> None:
+            try:
+                factory = async_sessionmaker(engine, twophase=True)
+                dedup = AsyncDeduplicator(
+                    engine, "c", tables=db.tables, retry=FAST, session_factory=factory
+                )
+                with pytest.raises(ConfigurationError, match="twophase"):
+                    await dedup.handler(nothing).process_batch(messages)
+            finally:
+                await engine.dispose()
+
+        asyncio.run(go())
+    assert records(db) == {}
