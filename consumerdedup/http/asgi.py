@@ -248,12 +248,18 @@ class _Exchange:
         self.app_task = task = asyncio.ensure_future(self.owner.app(scope, self.replay, capture))
         renewing = None if policy.transactional else asyncio.ensure_future(self.renew(policy))
         overflowed = asyncio.ensure_future(capture.overflowed.wait())
+        completed = asyncio.ensure_future(capture.completed.wait())
         try:
-            await asyncio.wait({task, overflowed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, overflowed, completed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             overflowed.cancel()
+            completed.cancel()
             if renewing is not None:  # the claim ends now: stored, not stored, or released
                 renewing.cancel()
+        if capture.completed.is_set():  # the app may still run (work after its response)
+            assert capture.status is not None
+            body = capture.body
+            return flow.Finished(StoredResponse.capture(capture.status, capture.headers, body))
         if capture.overflowed.is_set() and not task.done():
             assert capture.status is not None
             return flow.Overflowed(capture.status)
@@ -330,17 +336,23 @@ class _Exchange:
             await self.owner.app(self.scope, self.receive, self.send)
         elif isinstance(decision, flow.Respond):
             await send_response(self.send, decision.response, decision.replayed)
+            if self.app_task is not None:
+                await self.app_task  # a run whose commit failed: let its after-work end
         else:
             assert self.capture is not None and self.app_task is not None
             if self.capture.overflowed.is_set() and not self.app_task.done():
                 self.capture.open_gate()
                 await self.app_task
                 return
-            error = self.app_task.exception()
-            if error is not None:
-                raise error
+            if not self.capture.completed.is_set():
+                error = self.app_task.exception()
+                if error is not None:
+                    raise error
             for message in self.capture.messages:
                 await self.send(message)
+            # What the app does after its response (background tasks) ends here; an error
+            # from it reaches the server after the response, as it would without us.
+            await self.app_task
 
     async def abandon(self) -> None:
         """Cancelled or failed mid-way: never leave a claim behind (the retry runs afresh)."""

@@ -34,6 +34,8 @@ class HeldResponse:
         self.size = 0
         self.complete = False
         self.overflowed = asyncio.Event()
+        self.completed = asyncio.Event()
+        self._trailers = False
         self._gate = asyncio.Event()
         self._passing = False
 
@@ -50,11 +52,16 @@ class HeldResponse:
         if kind == "http.response.start":
             self.status = int(message["status"])
             self.headers = list(message.get("headers", []))
+            self._trailers = bool(message.get("trailers", False))
             return
         if kind == "http.response.body" and self.status is not None:
             self.size += len(message.get("body", b""))
             if self.size <= self.limit:
                 self.complete = not message.get("more_body", False)
+                if self.complete and not self._trailers:
+                    # Decided now, not when the app returns: what it does after its response
+                    # (a background task) must neither hold the response back nor undo it.
+                    self.completed.set()
                 return
         # Past the limit, or something we cannot keep (trailers, a body before its start):
         # wait until the not-stored record is written, then send all and pass through.

@@ -184,3 +184,25 @@ def test_one_failed_lease_renewal_does_not_let_a_twin_run_beside_the_endpoint(
     assert attacked.runs("lease-long") == 1, f"a twin ran beside the first; twins got {twins}"
     # A twin whose own claim met a terminated connection got 500 without running: fine.
     assert first["status"] == 201 and 409 in twins and set(twins) <= {0, 409, 500}
+
+
+def test_work_after_a_complete_response_that_fails_keeps_the_response(attacked: Server) -> None:
+    """A complete 201, then the app raises (a failing background task): the client gets the
+    201 it was sent, and the retry replays it; the endpoint never runs twice."""
+    key = new_key()
+    first = httpx.post(attacked.url + "/after-raise", headers=_keyed(key), json={}, timeout=30)
+    retry = httpx.post(attacked.url + "/after-raise", headers=_keyed(key), json={}, timeout=30)
+    assert attacked.runs("after-raise") == 1
+    assert (first.status_code, retry.status_code) == (201, 201)
+    assert retry.headers["idempotent-replayed"] == "true" and retry.content == first.content
+
+
+def test_work_after_a_complete_response_does_not_hold_it_back(attacked: Server) -> None:
+    """A complete response leaves when it is complete (and stored), not when the app's slow
+    after-work (5 s) ends."""
+    key = new_key()
+    reply = httpx.post(attacked.url + "/after-slow", headers=_keyed(key), json={}, timeout=2.5)
+    assert reply.status_code == 201
+    retry = httpx.post(attacked.url + "/after-slow", headers=_keyed(key), json={}, timeout=2.5)
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert attacked.runs("after-slow") == 1
