@@ -279,24 +279,28 @@ class Pipeline:
     def finish(self, batch: Batch) -> list[Result]:
         """One Result per message, in the order given; followers take their leader's fate.
 
-        Ordered: a message refused at the start (an unusable id) behind the first RETRY
-        is RETRY too, or it would be dead-lettered again each time it is read again.
+        Ordered: a FAILED behind the first RETRY is RETRY too (an unusable id, a
+        RecordedFailure or PayloadMismatch the lookup found, a copy whose payload differs
+        from its leader's), or it would be dead-lettered again each time it is read again.
+        None of them committed anything here: a record commits only after every item
+        before it is decided, so no recorded failure stands behind a RETRY.
         """
         results: list[Result] = []
         ahead: Message | None = None
         for slot in batch.slots:
             if isinstance(slot, Result):
-                if batch.ordered and ahead is not None:
-                    why = HeldBack(f"behind {ahead.id!r}, which is retried")
-                    slot = Result(slot.message, Outcome.RETRY, why)
-                results.append(slot)
-                continue
-            assert slot.result is not None, "finish() before every item was decided"
-            results.append(slot.result)
-            for follower in slot.followers:
-                follower.result = self._follow(slot.result, follower)
-            if ahead is None and slot.result.outcome is Outcome.RETRY:
-                ahead = slot.message
+                result = slot
+            else:
+                assert slot.result is not None, "finish() before every item was decided"
+                result = slot.result
+                for follower in slot.followers:
+                    follower.result = self._follow(result, follower)
+            if batch.ordered and ahead is not None and result.outcome is Outcome.FAILED:
+                why = HeldBack(f"behind {ahead.id!r}, which is retried")
+                result = Result(result.message, Outcome.RETRY, why)
+            results.append(result)
+            if ahead is None and result.outcome is Outcome.RETRY:
+                ahead = result.message
         return results
 
     def _insert(

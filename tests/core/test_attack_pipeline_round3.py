@@ -5,6 +5,9 @@
   good: the wrapper hid the 42P01 / "no such table" that the pipeline reads as transient.
 - The server's resource and lock faults (53100 disk full, 53200 out of shared memory,
   55P03 lock not available) met by a handler ended FAILED: the environment's fault.
+- On an ordered source, a FAILED behind the first RETRY (a RecordedFailure or a
+  PayloadMismatch the lookup found, a copy whose payload differs from its leader's) was
+  dead-lettered, and again on every re-read of the chunk.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from consumerdedup import (
     Deduplicator,
     Message,
     Outcome,
+    PermanentError,
     Result,
     RetryPolicy,
 )
@@ -147,3 +151,32 @@ def test_resource_and_lock_faults_in_a_handler_are_transient(
     )
     assert [r.outcome for r in results] == [Outcome.RETRY], results[0].reason
     assert _records(pg) == 0 and dead == []
+
+
+@pytest.mark.parametrize(("kind", "claim_first"), MODES)
+def test_ordered_failures_behind_a_retry_are_held_back(
+    db: Database, kind: str, claim_first: bool
+) -> None:
+    def refuse(message: Message, run: Any) -> None:
+        raise PermanentError("refused")
+
+    first: list[Result] = []
+    _process(db, kind, claim_first, refuse, [Message(id="f", body=b"{}")], first)
+    assert len(first) == 1  # f is recorded FAILED
+
+    def body(message: Message, run: Any) -> None:
+        if message.id == "t":
+            raise TimeoutError("the dependency is down")
+
+    chunk = [
+        Message(id="t", body=b"{}"),
+        Message(id="f", body=b"{}"),  # RecordedFailure from the lookup
+        Message(id="g", body=b"1"),
+        Message(id="g", body=b"2"),  # same id, another payload
+    ]
+    for _ in range(2):  # the chunk is read again after the RETRY
+        dead: list[Result] = []
+        results = _process(db, kind, claim_first, body, chunk, dead, ordered=True)
+        assert [r.outcome for r in results] == [Outcome.RETRY] * 4, [r.reason for r in results]
+        assert dead == [], [r.reason for r in dead]
+    assert _records(db) == 1
