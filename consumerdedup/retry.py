@@ -85,6 +85,18 @@ def uncoded(error: BaseException) -> bool:
     return not getattr(orig, "sqlstate", None) and not getattr(orig, "sqlite_errorname", None)
 
 
+_TOO_BIG_SQLSTATES = ("53200", "54")
+"""Out of shared memory (the partitioned claim's advisory locks filled the lock table:
+max_locks_per_transaction) and the program limits (a statement too complex): a smaller
+statement can pass where the same one fails every time."""
+
+
+def too_big(error: BaseException) -> bool:
+    """One of our statements failed for its size: see ``uncoded`` and _TOO_BIG_SQLSTATES."""
+    state = getattr(getattr(error, "orig", None), "sqlstate", None)
+    return uncoded(error) or bool(state and state.startswith(_TOO_BIG_SQLSTATES))
+
+
 class ErrorKind(enum.Enum):
     PERMANENT = "permanent"
     TRANSIENT = "transient"

@@ -27,7 +27,7 @@ from ..errors import (
 from ..message import Message, payload_hash, validate_id
 from ..observe import logger
 from ..outcome import Outcome, Result
-from ..retry import ErrorKind, RetryPolicy, uncoded
+from ..retry import ErrorKind, RetryPolicy, too_big
 from ..schema import utcnow
 from .ops import (
     Attempt,
@@ -357,7 +357,7 @@ class Pipeline:
             misconfigured = Statements.misconfigured(exc)
             if misconfigured is not None:
                 raise misconfigured from exc
-            if uncoded(exc):
+            if too_big(exc):
                 raise StatementRefused(exc) from exc
             raise
 
@@ -419,8 +419,9 @@ class Pipeline:
 
 
 class StatementRefused(Exception):
-    """One of our statements failed with no SQLSTATE nor SQLite code on a live connection:
-    the driver refused it (too many parameters, a value it cannot send). Halved, not
+    """One of our statements failed for its size: with no SQLSTATE nor SQLite code on a live
+    connection (the driver refused it: too many parameters, a value it cannot send), or the
+    server ran out of lock memory or a program limit (retry.too_big). Halved, not
     retried as is; a lone item's failure is then classified by ``error`` as usual."""
 
     def __init__(self, error: Exception) -> None:

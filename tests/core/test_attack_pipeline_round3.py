@@ -180,3 +180,26 @@ def test_ordered_failures_behind_a_retry_are_held_back(
         assert [r.outcome for r in results] == [Outcome.RETRY] * 4, [r.reason for r in results]
         assert dead == [], [r.reason for r in dead]
     assert _records(db) == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(("kind", "claim_first"), [("sync", True), ("async", False)])
+def test_a_partitioned_claim_past_the_lock_table_halves_and_completes(
+    pg_partitioned: Database, kind: str, claim_first: bool
+) -> None:
+    """One advisory lock per key, held to the end of the transaction: a batch larger than
+    the server's lock table (max_locks_per_transaction x connections) fails our lock
+    statement with 53200. Halved until it fits, never retried as is (every message RETRY
+    on every redelivery)."""
+    with pg_partitioned.engine.connect() as conn:
+        slots = conn.exec_driver_sql(
+            "SELECT current_setting('max_locks_per_transaction')::int * "
+            "(current_setting('max_connections')::int + "
+            "current_setting('max_prepared_transactions')::int)"
+        ).scalar_one()
+    messages = [Message(id=f"k{n}", body=b"{}") for n in range(2 * slots + 1000)]
+    dead: list[Result] = []
+    results = _process(pg_partitioned, kind, claim_first, lambda m, run: None, messages, dead)
+    outcomes = {r.outcome for r in results}
+    assert outcomes == {Outcome.PROCESSED}, {r.reason for r in results}
+    assert _records(pg_partitioned) == len(messages) and dead == []
