@@ -5,8 +5,12 @@ only if the middleware's commit is the one that happens. An endpoint that
 commits would publish its writes and an in-flight claim with no response: a
 crash then leaves the effect done and the key looking in flight. So a commit
 inside the endpoint raises CommitInEndpoint (the request fails, everything
-rolls back, nothing is stored); ``allow()`` lifts the guard for the
-middleware's own commit. Shared by the ASGI and WSGI middleware.
+rolls back, nothing is stored), and so does transaction-control SQL on the
+request's connection (``COMMIT``, ``END``, ``ROLLBACK``, ``BEGIN`` in any
+spelling db.control_sql reads), which would commit or drop the claim behind
+the session's back; ``allow()`` lifts the guard for the middleware's own
+commit. Not refused: the raw DB-API connection's own ``commit()``. Shared by
+the ASGI and WSGI middleware.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import Connection, event
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from ..db.control_sql import transaction_control
 from ..errors import ConsumerDedupError
 
 
@@ -38,9 +43,20 @@ def hold_commits(session: Session | AsyncSession) -> Callable[[], None]:
                 "response), or make the route non-transactional"
             )
 
+    def refuse_sql(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
+        word = None if allowed else transaction_control(statement, conn.dialect.name)
+        if word:
+            raise CommitInEndpoint(
+                f"a transactional idempotent endpoint sent {word} on the request's connection; "
+                "leave ending the transaction to the middleware (it commits your writes with "
+                "the stored response), or make the route non-transactional"
+            )
+
     def allow() -> None:
         nonlocal allowed
         allowed = True
 
     event.listen(target, "before_commit", refuse)
+    # The claim made the connection (claim_in), so this is the request's own; no I/O here.
+    event.listen(target.connection(), "before_cursor_execute", refuse_sql)
     return allow

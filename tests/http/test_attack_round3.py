@@ -7,7 +7,8 @@ over the suite's Backend (tests/http/asgi_apps.py), with the routes these attack
   /after-raise   answers 201 completely, then raises (work after the response, as a
                  Starlette BackgroundTask that fails)
   /after-slow    answers 201 completely, then works 5 s more (a slow BackgroundTask)
-  /tx/sql-end    transactional: writes, then sends ?sql=COMMIT|END as SQL, then answers
+  /tx/sql-end    transactional: writes, sends ?sql=COMMIT|END as SQL, then answers (or
+                 raises, with ?fail=1)
 The server's PostgreSQL connections carry an application_name of their own, so a test can
 terminate exactly them (and never another process's).
 """
@@ -72,6 +73,8 @@ def make_app() -> Any:
                 await session.execute(statement)
             else:
                 await asyncio.to_thread(session.execute, statement)
+            if "fail" in query:  # a crash after the COMMIT got through
+                raise RuntimeError("the endpoint failed after its COMMIT")
             await _answer(send, 201, {"run": run})
             return
         run = await backend.record(route, None, "")
@@ -206,3 +209,21 @@ def test_work_after_a_complete_response_does_not_hold_it_back(attacked: Server) 
     retry = httpx.post(attacked.url + "/after-slow", headers=_keyed(key), json={}, timeout=2.5)
     assert retry.headers["idempotent-replayed"] == "true"
     assert attacked.runs("after-slow") == 1
+
+
+@pytest.mark.parametrize("sql", ["COMMIT", "END"])
+def test_a_transactional_endpoint_that_sends_commit_as_sql_leaves_nothing(
+    attacked: Server, sql: str
+) -> None:
+    """COMMIT sent as SQL committed the write with a claim that has no response; the endpoint
+    then failing left the effect done and the key in flight, and the retry after the lease
+    ran it again (two effects). Refused like commit(): nothing is kept."""
+    key = new_key()
+    reply = httpx.post(
+        attacked.url + f"/tx/sql-end?sql={sql}&fail=1", headers=_keyed(key), json={}, timeout=30
+    )
+    assert reply.status_code == 500
+    assert attacked.runs("tx/sql-end") == 0, "the endpoint's write was committed"
+    table = attacked.qualified("idempotency_keys")
+    keys = attacked.count(f"SELECT count(*) FROM {table} WHERE key = '{key}'")
+    assert keys == 0, "a claim without its response was committed"
