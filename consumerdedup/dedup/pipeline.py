@@ -74,10 +74,12 @@ class Batch:
     """At most this many items in the next transaction: halved while a failure names no culprit."""
     rounds: int = 0
     """Attempts so far: past a budget, whatever is undecided ends RETRY, come what may."""
-    spent: str | None = None
-    """The key whose attempts a transient failure used up: the next transient failure in
-    this batch ends what remains RETRY at once, so one outage costs one message's attempts,
-    not every message's in turn."""
+    spent: dict[str, str] = field(default_factory=dict)
+    """Per transient failure (its ``signature``), the key whose attempts it used up: the
+    same failure again in this batch ends what remains RETRY at once, so one outage costs
+    one message's attempts, not every message's in turn. Another failure (one message
+    type's missing table, after another's timeout) is not that outage: it is tried as any,
+    or one message's fault would keep the healthy messages behind it untried for good."""
 
 
 class Pipeline:
@@ -202,7 +204,8 @@ class Pipeline:
         self, batch: Batch, span: Sequence[_Item], culprit: _Item, exc: Exception
     ) -> AttemptReport:
         """The culprit runs alone from now on; what precedes it commits first, without waiting."""
-        if batch.spent is not None and self.policy.classify(exc) is ErrorKind.TRANSIENT:
+        transient = self.policy.classify(exc) is ErrorKind.TRANSIENT
+        if transient and signature(exc) in batch.spent:
             self._give_up(batch, [culprit], exc)
             return self._report(batch, backoff=False)
         culprit.blamed = True
@@ -226,7 +229,8 @@ class Pipeline:
         if len(undecided) > 1 and (refused or not transient):
             batch.limit = len(undecided) // 2
             return self._report(batch, backoff=False)
-        if transient and batch.spent is not None and undecided:
+        # Our statement or the COMMIT: the database itself is failing, every item alike.
+        if transient and batch.spent and undecided:
             self._give_up(batch, undecided, exc)
             return self._report(batch, backoff=False)
         for item in undecided:
@@ -239,9 +243,9 @@ class Pipeline:
         """A transient failure again after one used up a message's attempts: the ``failed``
         items end RETRY with it, and every undecided item behind the first of them ends
         RETRY untried. What precedes them is left to commit."""
+        spent = batch.spent.get(signature(exc)) or next(iter(batch.spent.values()))
         why = RetryLater(
-            f"not tried: {describe(exc)} already used up the attempts of "
-            f"{batch.spent!r} in this batch"
+            f"not tried: {describe(exc)} already used up the attempts of {spent!r} in this batch"
         )
         for item in failed:
             item.attempts += 1
@@ -390,7 +394,7 @@ class Pipeline:
         kind = self.policy.classify(exc)
         exhausted = item.attempts >= self.policy.attempts
         if exhausted and kind is ErrorKind.TRANSIENT:
-            batch.spent = batch.spent or item.key
+            batch.spent.setdefault(signature(exc), item.key)
         if item.refused is not None:  # its FAILED record did not commit
             if exhausted and kind is ErrorKind.TRANSIENT:
                 item.decide(Outcome.RETRY, exc)
@@ -431,6 +435,16 @@ class StatementRefused(Exception):
 
 class RecordRefused(PermanentError):
     """Our record was refused as by a setup fault, in a transaction where a handler ran."""
+
+
+def signature(exc: BaseException) -> str:
+    """Which failure this is, to tell one outage from another message's own failure: the
+    exception's type, and the database's code (or the driver error's type) under it."""
+    cause = getattr(exc, "cause", None) or exc  # TransactionBroken: what was swallowed
+    orig = getattr(cause, "orig", None)
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "sqlite_errorname", None)
+    name = type(cause).__qualname__
+    return f"{name}/{code or type(orig).__qualname__}" if orig is not None else name
 
 
 def _outcome(item: _Item) -> Outcome | None:

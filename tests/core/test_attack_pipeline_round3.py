@@ -203,3 +203,28 @@ def test_a_partitioned_claim_past_the_lock_table_halves_and_completes(
     outcomes = {r.outcome for r in results}
     assert outcomes == {Outcome.PROCESSED}, {r.reason for r in results}
     assert _records(pg_partitioned) == len(messages) and dead == []
+
+
+@pytest.mark.parametrize(("kind", "claim_first"), MODES)
+def test_another_transient_failure_is_no_outage_to_give_up_on(
+    db: Database, kind: str, claim_first: bool
+) -> None:
+    """Unordered [new-type (its table not migrated), slow (its service times out), c]:
+    once new-type used up its attempts, slow's timeout is another failure, not the same
+    outage; c ended RETRY untried on every redelivery, for good, behind two messages that
+    were not its own."""
+    missing = db.name("not_migrated_yet")
+
+    def body(message: Message, run: Any) -> None:
+        if message.id == "new-type":
+            run(f"SELECT * FROM {missing}")
+        if message.id == "slow":
+            raise TimeoutError("the pricing service")
+
+    chunk = [Message(id=key, body=b"{}") for key in ("new-type", "slow", "c")]
+    dead: list[Result] = []
+    results = _process(db, kind, claim_first, body, chunk, dead)
+    assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY, Outcome.PROCESSED], [
+        r.reason for r in results
+    ]
+    assert _records(db) == 1 and dead == []
