@@ -322,6 +322,8 @@ class _Exchange:
             response = decision.response
             headers = [*response.headers, *([REPLAYED_HEADER] if decision.replayed else [])]
             self.start_response(_status_line(response.status), list(headers))
+            if self.response is not None:  # a run whose commit failed: the app's close() too
+                self.response.close()
             return [response.body]
         captured = self.response
         assert captured is not None

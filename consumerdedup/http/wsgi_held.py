@@ -96,12 +96,13 @@ class HeldResponse:
             self.add(chunk)
             if self.overflowed:
                 return  # the rest is sent after the not-stored record is written
-        self.close()
+        # Not closed here: close() is where an app does its work after the response (Flask's
+        # call_on_close); it runs when the server closes what we return, after the response
+        # was stored and sent, so an error there can neither undo it nor hold it back.
 
     def rest(self) -> Iterable[bytes]:
-        """What the server sends: the chunks held, then (after an overflow) the app's rest."""
-        if not self.overflowed:
-            return self.chunks
+        """What the server sends: the chunks held, then (after an overflow) the app's rest;
+        its close() reaches the app's."""
         return StreamedRest(self)
 
     def close(self) -> None:

@@ -9,7 +9,9 @@ over the suite's Backend (tests/http/asgi_apps.py), with the routes these attack
   /after-slow    answers 201 completely, then works 5 s more (a slow BackgroundTask)
   /tx/sql-end    transactional: writes, sends ?sql=COMMIT|END as SQL, then answers (or
                  raises, with ?fail=1)
-The server's PostgreSQL connections carry an application_name of their own, so a test can
+``make_wsgi_app`` serves the same routes under Flask and WSGIIdempotencyMiddleware
+(waitress; the work after the response is Flask's call_on_close). The server's PostgreSQL
+connections carry an application_name of their own, so a test can
 terminate exactly them (and never another process's).
 """
 
@@ -28,11 +30,12 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import create_engine, make_url, text
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
 from consumerdedup.http.asgi import SESSION_KEY
 from consumerdedup.schema import install
+from tests.http import wsgi_server
 from tests.http.asgi_apps import Backend, _answer, _read
 from tests.http.conftest import Server, ServerKind, new_key, wait_for
 
@@ -52,7 +55,7 @@ def make_app() -> Any:
         os.environ["CDD_HTTP_DB"] = url.render_as_string(hide_password=False)
     backend = Backend()
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
@@ -89,6 +92,66 @@ def make_app() -> Any:
     return IdempotencyMiddleware(app, backend.engine, policy=POLICY, tables=backend.tables)
 
 
+def make_wsgi_app() -> Any:
+    """The same routes under Flask, for WSGIIdempotencyMiddleware (served by waitress)."""
+    import time
+
+    from flask import Flask, jsonify, request
+    from sqlalchemy import insert
+
+    from consumerdedup.http.wsgi import WSGIIdempotencyMiddleware
+
+    if name := os.environ.get(APP_NAME):
+        url = make_url(os.environ["CDD_HTTP_DB"]).update_query_dict({"application_name": name})
+        os.environ["CDD_HTTP_DB"] = url.render_as_string(hide_password=False)
+    backend = Backend()  # blocking: CDD_HTTP_ASYNC is not set for the WSGI kinds
+    engine = backend.engine
+    assert not isinstance(engine, AsyncEngine)
+    app = Flask("consumerdedup-attack-round3")
+
+    def record(route: str) -> int:
+        with engine.begin() as conn:
+            row = {"route": route, "principal": None, "note": ""}
+            result = conn.execute(insert(backend.runs).values(row))
+            return int(result.inserted_primary_key[0])  # type: ignore[index]
+
+    @app.get("/health")
+    def health() -> Any:
+        return jsonify(ok=True)
+
+    @app.post("/<path:path>")
+    def endpoint(path: str) -> Any:
+        if path.startswith("tx/"):
+            session = request.environ[SESSION_KEY]
+            row = {"route": path, "principal": None, "note": ""}
+            run = session.execute(insert(backend.runs).values(row)).inserted_primary_key[0]
+            session.execute(text(request.args.get("sql", "COMMIT")))
+            if "fail" in request.args:
+                raise RuntimeError("the endpoint failed after its COMMIT")
+            return jsonify(run=run), 201
+        run = record(path)
+        time.sleep(float(request.args.get("sleep", "0")))
+        response = jsonify(run=run)
+        if path == "after-raise":
+            response.call_on_close(_raise_after_the_response)
+        if path == "after-slow":
+            response.call_on_close(lambda: time.sleep(5))
+        return response, 201
+
+    app.wsgi_app = WSGIIdempotencyMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app, engine, policy=POLICY, tables=backend.tables
+    )
+    return app
+
+
+def _raise_after_the_response() -> None:
+    raise RuntimeError("work after the response failed")
+
+
+def _waitress(port: int) -> list[str]:
+    return wsgi_server.command("tests.http.test_attack_round3:make_wsgi_app", port)
+
+
 def _uvicorn(port: int) -> list[str]:
     from tests.http.conftest import uvicorn
 
@@ -101,6 +164,8 @@ KINDS = [
     ServerKind("attack-postgresql-async", "postgresql", {"CDD_HTTP_ASYNC": "1"}, _uvicorn),
     ServerKind("attack-postgresql-sync", "postgresql", {}, _uvicorn),
     ServerKind("attack-sqlite-sync", "sqlite", {}, _uvicorn),
+    ServerKind("attack-waitress-postgresql", "postgresql", {}, _waitress),
+    ServerKind("attack-waitress-sqlite", "sqlite", {}, _waitress),
 ]
 
 
