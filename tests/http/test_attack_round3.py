@@ -171,7 +171,18 @@ KINDS = [
 
 @pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
 def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
-    kind: ServerKind = request.param
+    yield from _serve(request, request.param)
+
+
+@pytest.fixture(
+    scope="module", params=[k for k in KINDS if k.database == "postgresql"], ids=lambda k: k.name
+)
+def attacked_postgresql(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The PostgreSQL servers only: for attacks that terminate the server's connections."""
+    yield from _serve(request, request.param)
+
+
+def _serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
     app_name = f"cdd_attack_{uuid.uuid4().hex[:12]}"
     kind = ServerKind(kind.name, kind.database, {**kind.env, APP_NAME: app_name}, kind.command)
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,12 +214,11 @@ def _keyed(key: str) -> dict[str, str]:
 
 
 def test_one_failed_lease_renewal_does_not_let_a_twin_run_beside_the_endpoint(
-    attacked: Server,
+    attacked_postgresql: Server,
 ) -> None:
     """The store fails once while the endpoint runs (its pooled connections terminated):
     the renewal must go on, so no twin claims the key while the first still runs."""
-    if attacked.kind.database != "postgresql":
-        pytest.skip("terminates the server's PostgreSQL connections")
+    attacked = attacked_postgresql
     key = new_key()
     first: dict[str, int] = {}
 
