@@ -8,7 +8,8 @@ never disagree on a rule.
 
 Operations and what the driver sends back:
     ReadBody(limit)      -> the whole request body, or None if it is longer than limit
-    Claim(...)           -> a store.ClaimResult (transactional: claim_in the request's session)
+    Claim(...)           -> a store.ClaimResult (transactional: claim_in the request's session),
+                            or StoreFailed when the store raised (nothing was claimed)
     Pause(seconds)       -> None, after sleeping
     Run(token)           -> Finished | Overflowed | Crashed (renewing the lease meanwhile)
     Complete(...)        -> bool: stored (transactional: stored and committed)
@@ -119,6 +120,12 @@ class Crashed:
 
 
 RunResult = Finished | Overflowed | Crashed
+
+
+@dataclass(frozen=True)
+class StoreFailed:
+    """What a driver sends for a Claim whose store raised (down, unreachable): refuse, run
+    nothing; the driver logged the error."""
 
 
 # Decisions (returned)
@@ -248,6 +255,9 @@ def _claim(
         result: ClaimResult = yield claim
         if isinstance(result, Claimed):
             return result
+        if isinstance(result, StoreFailed):
+            log.warning("idempotency refused %s %s: the store failed", where, label)
+            return Respond(problems.store_unavailable().response())
         if isinstance(result, Mismatch):
             log.info("idempotency mismatch %s %s: key reused with another request", where, label)
             return Respond(problems.mismatch().response())

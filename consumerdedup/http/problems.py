@@ -100,6 +100,17 @@ def body_too_large(limit: int) -> Problem:
     )
 
 
+def store_unavailable() -> Problem:
+    return Problem(
+        503,
+        "store-unavailable",
+        "The idempotency-key store is unavailable",
+        "Nothing was done: the server could not record this request's key. Retry the same "
+        "request with the same key later.",
+        (("retry-after", "1"),),
+    )
+
+
 def commit_failed() -> Problem:
     return Problem(
         503,

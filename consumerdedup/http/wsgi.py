@@ -226,10 +226,16 @@ class _Exchange:
         self.environ["CONTENT_LENGTH"] = str(len(body))
         return body
 
-    def claim(self, claim: flow.Claim) -> ClaimResult:
+    def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed:
         args = (claim.scope, claim.key, claim.fingerprint)
         if not claim.policy.transactional:
-            result: ClaimResult = self.owner.store.claim(*args, claim.policy.lease)
+            try:
+                result: ClaimResult = self.owner.store.claim(*args, claim.policy.lease)
+            except ConfigurationError:
+                raise  # a setup fault stays loud (500), never passed off as an outage
+            except Exception:
+                log.exception("idempotency store failed to claim for %s", claim.scope)
+                return flow.StoreFailed()
         else:
             store = self.owner.sql_store
             assert store is not None  # the policy property refused transactional without it
@@ -238,8 +244,13 @@ class _Exchange:
                 wait, lease = claim.policy.wait, claim.policy.lease
                 result = store.claim_in(self.session, *args, wait, lease)
             except Exception as error:
-                if not is_lock_timeout(error):
+                if isinstance(error, ConfigurationError):
+                    self.close_session()
                     raise
+                if not is_lock_timeout(error):
+                    log.exception("idempotency store failed to claim for %s", claim.scope)
+                    self.close_session()
+                    return flow.StoreFailed()
                 result = InFlight(1.0)
             if not isinstance(result, Claimed):
                 self.close_session()

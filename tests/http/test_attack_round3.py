@@ -302,3 +302,29 @@ def test_a_transactional_endpoint_that_sends_commit_as_sql_leaves_nothing(
     table = attacked.qualified("idempotency_keys")
     keys = attacked.count(f"SELECT count(*) FROM {table} WHERE key = '{key}'")
     assert keys == 0, "a claim without its response was committed"
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_a_store_that_is_down_is_a_503_problem_and_nothing_runs(kind: ServerKind) -> None:
+    """The records' database unreachable (PostgreSQL: a closed port; SQLite: a file in a
+    directory that does not exist): the keyed request is refused with a 503 problem the
+    client can act on (Retry-After), not a bare 500, and the endpoint does not run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind.database == "sqlite":
+            url = f"sqlite:///{tmp}/missing/http.db"
+        else:
+            url = "postgresql+psycopg://postgres@127.0.0.1:9/test?connect_timeout=2"
+        markers = Path(tmp) / "markers"
+        markers.mkdir()
+        down = Server(kind, url, "", markers)
+        down.start()
+        try:
+            for route in ("/after-raise", "/tx/sql-end"):
+                reply = httpx.post(down.url + route, headers=_keyed(new_key()), json={})
+                assert reply.status_code == 503, (route, reply.text)
+                assert reply.headers["content-type"] == "application/problem+json"
+                assert reply.json()["type"].endswith(":store-unavailable")
+                assert reply.headers["retry-after"] == "1"
+        finally:
+            down.stop()
+            down.engine.dispose()
