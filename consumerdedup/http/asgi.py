@@ -42,7 +42,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-Principal = Callable[[Mapping[str, Any]], "str | None"]
+Principal = Callable[[Mapping[str, Any]], "str | int | None"]
 
 SESSION_KEY = "consumerdedup.session"
 """Where a transactional endpoint finds the request's Session in the ASGI scope."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ..errors import ConfigurationError
 from . import problems
 from .fingerprint import RequestFacts
 from .keys import HEADER, InvalidIdempotencyKey, key_label, parse_key
@@ -50,7 +51,7 @@ class Incoming:
     path: str
     query: bytes
     headers: tuple[tuple[str, str], ...]
-    principal: str | None = None
+    principal: str | int | None = None
 
 
 # Operations (yielded)
@@ -152,8 +153,18 @@ class SendCaptured:
 Decision = PassThrough | Respond | SendCaptured
 
 
-def scope_of(method: str, path: str, principal: str | None) -> str:
-    """Principal + method + route; the principal only as a digest (it may be an API key)."""
+def scope_of(method: str, path: str, principal: str | int | None) -> str:
+    """Principal + method + route; the principal only as a digest (it may be an API key).
+
+    A principal is a str, or an int (a user id, as str(id)); anything else is refused: its
+    str() may differ between requests of one caller (a default repr holds an address)."""
+    if isinstance(principal, int) and not isinstance(principal, bool):
+        principal = str(principal)
+    if principal is not None and not isinstance(principal, str):
+        raise ConfigurationError(
+            f"the idempotency principal callable returned a {type(principal).__qualname__}; "
+            "return a str (or an int id) that names the caller, e.g. str(user.id), or None"
+        )
     scope = f"{method.upper()} {path}"
     if principal is not None:
         scope += " @" + hashlib.sha256(principal.encode("utf-8")).hexdigest()[:32]

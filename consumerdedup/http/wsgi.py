@@ -41,7 +41,7 @@ from .wsgi_held import HeldResponse, LeaseRenewer, read_exactly
 Environ = dict[str, Any]
 StartResponse = Callable[..., Callable[[bytes], object]]
 WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
-Principal = Callable[[Mapping[str, Any]], "str | None"]
+Principal = Callable[[Mapping[str, Any]], "str | int | None"]
 
 log = logging.getLogger("consumerdedup.http")
 _HEADERS_WITHOUT_PREFIX = {"CONTENT_TYPE": "content-type", "CONTENT_LENGTH": "content-length"}

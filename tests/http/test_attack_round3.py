@@ -40,6 +40,7 @@ from tests.http.asgi_apps import Backend, _answer, _read
 from tests.http.conftest import Server, ServerKind, new_key, wait_for
 
 APP_NAME = "CDD_ATTACK_APP_NAME"
+USER_ID = "CDD_ATTACK_USER_ID"
 POLICY = IdempotencyPolicy.of(
     {
         "/lease-long": RoutePolicy(required=True, lease=timedelta(seconds=1)),
@@ -89,7 +90,11 @@ def make_app() -> Any:
         if path == "/after-slow":
             await asyncio.sleep(5)
 
-    return IdempotencyMiddleware(app, backend.engine, policy=POLICY, tables=backend.tables)
+    user_id = os.environ.get(USER_ID)  # the principal as an int id, as most apps have it
+    principal = (lambda scope: int(user_id)) if user_id else None
+    return IdempotencyMiddleware(
+        app, backend.engine, policy=POLICY, tables=backend.tables, principal=principal
+    )
 
 
 def make_wsgi_app() -> Any:
@@ -328,3 +333,27 @@ def test_a_store_that_is_down_is_a_503_problem_and_nothing_runs(kind: ServerKind
         finally:
             down.stop()
             down.engine.dispose()
+
+
+def test_a_principal_given_as_an_int_id_scopes_the_key(tmp_path: Path) -> None:
+    """principal=lambda scope: scope["user"].id (the README's example) returns an int for
+    most user tables: that raised AttributeError in every keyed request (500, never ran)."""
+    kind = KINDS[2]  # uvicorn over SQLite
+    kind = ServerKind(kind.name, kind.database, {USER_ID: "42"}, kind.command)
+    url = f"sqlite:///{tmp_path}/http.db"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    server = Server(kind, url, "", markers)
+    install(server.engine, server.tables)
+    server.runs_table.create(server.engine)
+    server.start()
+    try:
+        key = new_key()
+        first = httpx.post(server.url + "/after-slow-not", headers=_keyed(key), json={})
+        retry = httpx.post(server.url + "/after-slow-not", headers=_keyed(key), json={})
+        assert (first.status_code, retry.status_code) == (201, 201)
+        assert retry.headers["idempotent-replayed"] == "true"
+        assert server.runs("after-slow-not") == 1
+    finally:
+        server.stop()
+        server.engine.dispose()
