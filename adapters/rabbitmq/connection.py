@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pika  # type: ignore[import-untyped]
-import pika.data  # type: ignore[import-untyped]
 import pika.exceptions  # type: ignore[import-untyped]
 import tenacity
 from pika.adapters.utils.connection_workflow import (  # type: ignore[import-untyped]
@@ -19,6 +17,7 @@ from pika.adapters.utils.connection_workflow import (  # type: ignore[import-unt
 from consumerdedup import ConfigurationError
 from consumerdedup.retry import Backoff
 
+from . import undecodable  # noqa: F401  (installs the decoder that reads what pika cannot)
 from .errors import BrokerRefused, BrokerUnavailable
 
 log = logging.getLogger("consumerdedup.rabbitmq")
@@ -33,30 +32,6 @@ _REFUSED = (
 # pika raises its own (not an AMQPConnectionError) when a port takes the TCP connection and
 # never answers the AMQP handshake: not a RabbitMQ port, or one too busy to answer.
 _UNANSWERED = (pika.exceptions.AMQPConnectionError, AMQPConnectorStackTimeout)
-
-
-def _decode_value(encoded: bytes, offset: int) -> tuple[Any, int]:
-    """pika's field decoder, except that a timestamp Python cannot hold stays the int sent.
-
-    pika turns an AMQP timestamp field ('T', any uint64) into a datetime while it reads
-    the frame: past year 9999 that raises inside the connection, which is then lost, and
-    the message comes again at every reconnect: one header would stop the queue for good.
-    """
-    if encoded[offset : offset + 1] == b"T":
-        seconds = struct.unpack_from(">Q", encoded, offset + 1)[0]
-        try:
-            return datetime.fromtimestamp(seconds, UTC), offset + 9
-        except (OverflowError, OSError, ValueError):
-            return seconds, offset + 9
-    decoded: tuple[Any, int] = _pika_decode_value(encoded, offset)
-    return decoded
-
-
-# pika's tables look the decoder up by name at each field (nested ones too), so this
-# changes nothing but the case that raised.
-_pika_decode_value = getattr(pika.data.decode_value, "pika_original", pika.data.decode_value)
-_decode_value.pika_original = _pika_decode_value  # type: ignore[attr-defined]
-pika.data.decode_value = _decode_value
 
 
 def parameters(url: str, options: Mapping[str, Any], name: str) -> Any:
