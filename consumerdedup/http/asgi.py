@@ -103,14 +103,11 @@ class IdempotencyMiddleware:
     def policy(self) -> IdempotencyPolicy:
         """The policy with the routes' marks; resolved once, at the first request."""
         if self._policy is None:
-            resolved = self._base.with_routes(self._routes)
-            chosen = [resolved.default, *(rp for _, rp in resolved.routes)]
-            if self.sql_store is None and any(rp.transactional for rp in chosen):
-                raise ConfigurationError(
-                    "a transactional idempotency route needs the middleware's engine "
-                    "(IdempotencyMiddleware(app, engine)): its records live in that database"
-                )
-            self._policy = resolved
+            self._policy = self._base.for_middleware(
+                self._routes,
+                has_engine=self.sql_store is not None,
+                middleware="IdempotencyMiddleware",
+            )
         return self._policy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

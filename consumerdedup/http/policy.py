@@ -135,6 +135,20 @@ class IdempotencyPolicy:
                 marked.append((RoutePattern(path), mark))
         return replace(self, routes=(*marked, *self.routes))
 
+    def for_middleware(
+        self, routes: Iterable[object], *, has_engine: bool, middleware: str
+    ) -> IdempotencyPolicy:
+        """This policy with ``routes``' marks, checked against what the middleware was given:
+        a transactional route needs the middleware's engine (its records live there)."""
+        resolved = self.with_routes(routes)
+        chosen = [resolved.default, *(rp for _, rp in resolved.routes)]
+        if not has_engine and any(rp.transactional for rp in chosen):
+            raise ConfigurationError(
+                "a transactional idempotency route needs the middleware's engine "
+                f"({middleware}(app, engine)): its records live in that database"
+            )
+        return resolved
+
     def for_request(self, method: str, path: str) -> RoutePolicy | None:
         """The policy for this request, or None when it passes through untouched."""
         chosen = next((rp for pat, rp in self.routes if pat.matches(path)), self.default)

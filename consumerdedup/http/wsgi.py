@@ -99,14 +99,11 @@ class WSGIIdempotencyMiddleware:
         """The policy with the routes' marks; resolved once, at the first request."""
         with self._policy_lock:
             if self._policy is None:
-                resolved = self._base.with_routes(self._routes)
-                chosen = [resolved.default, *(rp for _, rp in resolved.routes)]
-                if self.sql_store is None and any(rp.transactional for rp in chosen):
-                    raise ConfigurationError(
-                        "a transactional idempotency route needs the middleware's engine "
-                        "(WSGIIdempotencyMiddleware(app, engine)): its records live there"
-                    )
-                self._policy = resolved
+                self._policy = self._base.for_middleware(
+                    self._routes,
+                    has_engine=self.sql_store is not None,
+                    middleware="WSGIIdempotencyMiddleware",
+                )
             return self._policy
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
