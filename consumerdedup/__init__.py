@@ -9,16 +9,19 @@ from .dedup.deduplicator import DedupHandler, Deduplicator
 from .dedup.settings import DeadLetterFailed
 from .errors import (
     BrokerUnavailable,
+    CommitInHandler,
     ConfigurationError,
     ConsumerDedupError,
     DecodeError,
     DestinationMissing,
+    HeldBack,
     InvalidMessage,
     PayloadMismatch,
     PermanentError,
     RecordedFailure,
     RetryLater,
     SimulatedCrash,
+    TransactionBroken,
 )
 from .message import MAX_ID_LENGTH, Message
 from .observe import OutcomeCounts
@@ -36,6 +39,7 @@ __all__ = [
     "AsyncDeduplicator",
     "AsyncPublisher",
     "BrokerUnavailable",
+    "CommitInHandler",
     "ConfigurationError",
     "ConsumerDedupError",
     "DeadLetterFailed",
@@ -43,6 +47,7 @@ __all__ = [
     "DedupHandler",
     "Deduplicator",
     "DestinationMissing",
+    "HeldBack",
     "InvalidMessage",
     "Message",
     "Outbox",
@@ -61,5 +66,6 @@ __all__ = [
     "RetryPolicy",
     "SimulatedCrash",
     "Tables",
+    "TransactionBroken",
     "install",
 ]

@@ -1,14 +1,36 @@
 """The error tree: one root, failures apart from control flow.
 
-``PermanentError`` and its children end a message as FAILED (recorded and
-dead-lettered); ``RetryLater`` asks for another delivery and records nothing.
+Every class here, drawn by what it derives from::
+
+    Exception
+     +-- ConsumerDedupError ........ root of every error raised on purpose
+          +-- ConfigurationError ... a setting is wrong (also a ValueError); before any message
+          +-- PermanentError ....... the message ends FAILED: recorded and dead-lettered
+          |    +-- InvalidMessage .. no valid id, or a malformed delivery
+          |    +-- DecodeError ..... the body cannot be decoded
+          |    +-- PayloadMismatch . the id was processed before with another payload
+          |    +-- RecordedFailure . a redelivery of a message that FAILED before
+          |    +-- CommitInHandler . the handler called session.commit()
+          +-- RetryLater ........... control flow: roll back, deliver again, record nothing
+          |    +-- HeldBack ........ ordered: not tried, a message ahead will come again
+          +-- TransactionBroken .... the handler broke our transaction; classified by its cause
+          +-- BrokerUnavailable .... cannot reach the broker (also a ConnectionError)
+          +-- DestinationMissing ... the broker says the destination does not exist
+    BaseException
+     +-- SimulatedCrash ............ the test broker killing a consumer between commit and ack
+
+The parts add leaves beside their code: ``HandlerNotRun`` (a
+ConfigurationError) and ``DeadLetterFailed`` (a PermanentError) in
+``consumerdedup.dedup``, ``UnknownConsumer`` and ``RetentionUnknown`` in
+``consumerdedup.prune``, the HTTP errors in ``consumerdedup.http``, and each
+adapter's ``errors`` module (its own BrokerUnavailable and DestinationMissing
+subclasses, and ``BrokerRefused``, a ConfigurationError).
+
+How a failure becomes text (for logs, the error column and dead-letter
+headers) is ``consumerdedup.reasons``; this module imports nothing.
 """
 
 from __future__ import annotations
-
-import re
-
-import sqlalchemy.exc
 
 
 class ConsumerDedupError(Exception):
@@ -102,62 +124,3 @@ class SimulatedCrash(BaseException):
     A BaseException so that handlers' and runners' ``except Exception`` blocks
     cannot swallow it, exactly as they could not swallow a real process death.
     """
-
-
-REASON_LIMIT = 1000
-"""Longest reason kept: it travels in log lines, the error column and broker headers."""
-
-_QUOTED = re.compile(r'".*"', re.DOTALL)
-"""From the first double quote to the last: a quoted value may itself hold quotes."""
-_QUOTED_NAME = re.compile(r'"[^"]*"')
-"""Integrity errors (SQLSTATE class 23) quote only names; their values are in DETAIL."""
-_NUMBER = re.compile(r"\d{4,}")
-_DIAG_NAMES = ("schema_name", "table_name", "column_name", "constraint_name")
-
-
-def describe(error: BaseException) -> str:
-    """``Type: text`` on one line, for logs, dead-letter headers and the error column.
-
-    Never the statement's bound parameters, nor what a database quotes back
-    (values in DETAIL lines, in quotes, long numbers): a reason is logged and
-    sent to other systems. The text is storable (no NUL, no lone surrogate)
-    and at most REASON_LIMIT long. It never raises.
-    """
-    try:
-        text = _text(error)
-    except Exception:  # a str() that raises must not take the pipeline with it
-        text = "(its message could not be read)"
-    text = " ".join(text.split())
-    text = text.replace("\x00", "\\0").encode("utf-8", "backslashreplace").decode("utf-8")
-    name = type(error).__name__
-    line = f"{name}: {text}" if text else name
-    return line if len(line) <= REASON_LIMIT else line[: REASON_LIMIT - 3] + "..."
-
-
-def _text(error: BaseException) -> str:
-    # SQLAlchemy's str() appends "[SQL: ...] [parameters: ...]": the driver's own error only.
-    if isinstance(error, sqlalchemy.exc.StatementError):
-        if error.orig is not None:
-            return _driver_text(error.orig)
-        return str(error.args[0]) if error.args else ""
-    if _is_driver_error(error):
-        return _driver_text(error)
-    return str(error)
-
-
-def _is_driver_error(error: BaseException) -> bool:
-    return hasattr(error, "sqlstate") or hasattr(error, "sqlite_errorname")
-
-
-def _driver_text(error: BaseException) -> str:
-    """A DB-API error's primary message with what it quotes masked; the names of the
-    schema, table, column and constraint (PostgreSQL reports them apart) kept."""
-    diag = getattr(error, "diag", None)
-    text = getattr(diag, "message_primary", None) or str(error)
-    state = getattr(error, "sqlstate", None)
-    quoted = _QUOTED_NAME if (state or "").startswith("23") else _QUOTED
-    text = _NUMBER.sub("...", quoted.sub('"..."', text))
-    facts = [f"{n.removesuffix('_name')} {v}" for n in _DIAG_NAMES if (v := getattr(diag, n, None))]
-    if state:
-        facts.insert(0, f"SQLSTATE {state}")
-    return f"{text} ({'; '.join(facts)})" if facts else text

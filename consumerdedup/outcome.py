@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .errors import describe
 from .message import Message
+from .reasons import describe
 
 
 class Outcome(enum.Enum):

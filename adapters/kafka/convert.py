@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from consumerdedup import MAX_ID_LENGTH, Message
-from consumerdedup.errors import describe
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
+from consumerdedup.reasons import REASON_LIMIT, describe
 
 from .config import KafkaConfig
 from .undecodable import Undecodable
@@ -20,8 +20,6 @@ OFFSET_HEADER = "x-dead-letter-offset"
 BODY_DROPPED_HEADER = "x-dead-letter-body-dropped"
 """On a dead letter sent without its body (the value), because the broker refused the full
 copy for good: why it refused it."""
-MAX_REASON = 1000
-"""Reasons are cut to this many characters."""
 
 _OURS = frozenset({REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER, PARTITION_HEADER, OFFSET_HEADER})
 
@@ -154,7 +152,7 @@ def dead_letter_headers(record: Any, reason: str, consumer: str) -> list[tuple[s
     ]
     return [
         *kept,
-        (REASON_HEADER, reason[:MAX_REASON].encode()),
+        (REASON_HEADER, reason[:REASON_LIMIT].encode()),
         (CONSUMER_HEADER, consumer.encode()),
         (SOURCE_HEADER, str(record.topic).encode()),
         (PARTITION_HEADER, str(record.partition).encode()),

@@ -22,8 +22,8 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
     UnknownTopicOrPartitionError,
 )
 
-from consumerdedup.errors import describe
 from consumerdedup.outbox.publisher import AsyncPublisher
+from consumerdedup.reasons import describe
 
 from . import connection
 from .config import DEFAULT_BOOTSTRAP

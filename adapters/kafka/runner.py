@@ -12,9 +12,9 @@ from aiokafka.errors import IllegalStateError, KafkaError  # type: ignore[import
 
 from consumerdedup import MAX_ID_LENGTH, ConfigurationError, Outcome, Result
 from consumerdedup.dedup.driving import AsyncDriver, Handler
-from consumerdedup.errors import describe
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
+from consumerdedup.reasons import REASON_LIMIT, describe
 
 from . import connection, undecodable
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig
@@ -226,7 +226,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         refused: list[str] = []
         for copy in range(3):
             if copy:
-                dropped = (BODY_DROPPED_HEADER, refused[0][:1000].encode())
+                dropped = (BODY_DROPPED_HEADER, refused[0][:REASON_LIMIT].encode())
                 headers = [*headers, dropped] if copy == 1 else self._bare(headers, dropped)
                 value = b""
             try:

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
-from consumerdedup.errors import describe
+from consumerdedup.reasons import describe
 
 logger = logging.getLogger("consumerdedup.kafka")
 UNDECODABLE = (UnicodeDecodeError,)

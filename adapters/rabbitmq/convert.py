@@ -10,16 +10,14 @@ from typing import Any
 import pika  # type: ignore[import-untyped]
 
 from consumerdedup import Message
-from consumerdedup.errors import describe
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
+from consumerdedup.reasons import REASON_LIMIT, describe
 
 from .config import RabbitConfig
 
 BODY_DROPPED_HEADER = "x-dead-letter-body-dropped"
 """On a dead letter sent without its body, because the broker refused the full copy for
 good: why it refused it."""
-MAX_REASON = 1000
-"""Reasons are cut to this many characters: headers must fit in one AMQP frame."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +98,7 @@ def dead_letter_properties(
     headers = delivery.properties.headers
     props.headers = {
         **(headers if isinstance(headers, dict) else {}),
-        REASON_HEADER: reason[:MAX_REASON],
+        REASON_HEADER: reason[:REASON_LIMIT],
         CONSUMER_HEADER: consumer,
         SOURCE_HEADER: queue,
     }

@@ -17,6 +17,7 @@ from consumerdedup import ConfigurationError, Message, Outcome
 from consumerdedup.dedup.driving import BlockingDriver, Handler
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
+from consumerdedup.reasons import REASON_LIMIT
 
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
 from .connection import close_quietly, connect, frame_max, header_frame_size, parameters
@@ -237,7 +238,7 @@ class RabbitConsumerRunner(ConsumerRunner):
             if copy_number:
                 properties = copy.copy(properties)
                 kept = properties.headers if copy_number == 1 else _ours(properties.headers)
-                properties.headers = {**kept, BODY_DROPPED_HEADER: str(refused[0])[:1000]}
+                properties.headers = {**kept, BODY_DROPPED_HEADER: str(refused[0])[:REASON_LIMIT]}
                 body = b""
             error = self._publish_dead_letter(connection, body, properties)
             if error is None:

@@ -17,7 +17,8 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ..db.dialects import SUPPORTED
-from ..errors import ConfigurationError, describe
+from ..errors import ConfigurationError
+from ..reasons import describe
 from ..schema import Tables
 from .redact import Secrets, shown
 

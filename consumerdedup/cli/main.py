@@ -22,7 +22,7 @@ from typing import NoReturn, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
-from ..errors import describe
+from ..reasons import describe
 from . import demo, init_db, prune, relay, stats
 from .common import ENV_URL, PROG, CommandError
 from .redact import Secrets

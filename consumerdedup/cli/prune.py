@@ -21,10 +21,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .. import durations
-from ..errors import ConfigurationError, describe
+from ..errors import ConfigurationError
 from ..prune.idempotency import EXPIRY
 from ..prune.pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
 from ..prune.windows import BrokerRetention, RetentionUnknown, UnknownConsumer
+from ..reasons import describe
 from .common import CommandError, UsageError, open_database, require_tables
 from .redact import shown
 

@@ -12,9 +12,10 @@ import importlib
 import logging
 
 from .. import durations
-from ..errors import ConfigurationError, describe
+from ..errors import ConfigurationError
 from ..outbox.publisher import AsyncPublisher, Publisher
 from ..outbox.relay import OutboxRelay, RelayConfig
+from ..reasons import describe
 from .common import Renamed, UsageError, open_database, require_tables
 from .redact import shown
 

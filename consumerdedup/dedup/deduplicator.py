@@ -11,9 +11,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..db import dialects, sqlite
-from ..errors import ConfigurationError, PermanentError, describe
+from ..errors import ConfigurationError, PermanentError
 from ..message import Message
 from ..outcome import Outcome, Result
+from ..reasons import describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .handler_guard import HandlerCall, guard

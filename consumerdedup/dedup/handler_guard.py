@@ -28,7 +28,8 @@ from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.orm import Session, SessionTransaction
 
 from ..db.control_sql import transaction_control
-from ..errors import CommitInHandler, ConfigurationError, TransactionBroken, describe
+from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
+from ..reasons import describe
 
 _HANDLER_RUNNING = "consumerdedup.handler_running"
 _LAST_ERROR = "consumerdedup.last_error"

@@ -22,11 +22,11 @@ from ..errors import (
     PermanentError,
     RecordedFailure,
     RetryLater,
-    describe,
 )
 from ..message import Message, payload_hash, validate_id
 from ..observe import logger
 from ..outcome import Outcome, Result
+from ..reasons import describe
 from ..retry import ErrorKind, RetryPolicy, too_big
 from ..schema import utcnow
 from .ops import (

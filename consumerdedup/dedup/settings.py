@@ -7,10 +7,11 @@ from typing import Any
 
 import tenacity
 
-from ..errors import ConfigurationError, InvalidMessage, PermanentError, describe
+from ..errors import ConfigurationError, InvalidMessage, PermanentError
 from ..message import validate_id
 from ..observe import OutcomeCounts, log_result, logger
 from ..outcome import Outcome, Result
+from ..reasons import describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .ops import AttemptReport

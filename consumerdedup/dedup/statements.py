@@ -11,7 +11,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
 from ..db.dialects import require_supported
-from ..errors import ConfigurationError, describe
+from ..errors import ConfigurationError
+from ..reasons import describe
 from ..retry import setup_fault
 from ..schema import Tables
 from . import partitioned_statements

@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import Engine, Table
 
 from ..db.names import table_sql
-from ..errors import describe
 from ..lifecycle import StopSwitch
+from ..reasons import describe
 from ..schema import notify_channel_of
 
 logger = logging.getLogger("consumerdedup.relay")

@@ -24,8 +24,9 @@ from typing import Any
 from sqlalchemy import Engine
 
 from ..db import dialects, sqlite
-from ..errors import ConfigurationError, DestinationMissing, InvalidMessage, describe
+from ..errors import ConfigurationError, DestinationMissing, InvalidMessage
 from ..lifecycle import StopSwitch
+from ..reasons import describe
 from ..retry import Backoff, ErrorKind, classify
 from ..schema import DEFAULT, Tables, utcnow
 from .listener import Listener

@@ -29,8 +29,9 @@ from sqlalchemy.exc import DBAPIError
 from ..db import sqlite
 from ..db.dialects import require_supported
 from ..db.partitions import DayPartitions
-from ..errors import ConfigurationError, describe
+from ..errors import ConfigurationError
 from ..lifecycle import StopSwitch
+from ..reasons import describe
 from ..retry import Backoff
 from ..schema import DEFAULT, Tables, utcnow
 from .idempotency import EXPIRY, KeyCutoffs, KeyPruneStatements

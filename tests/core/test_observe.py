@@ -299,7 +299,7 @@ def test_failed_reason_is_what_gets_recorded(db: Database) -> None:
 def test_a_long_reason_is_cut_to_the_limit_everywhere_it_goes(db: Database) -> None:
     """A reason travels in log lines, the error column and dead-letter headers: at most
     REASON_LIMIT characters, whatever the handler raised."""
-    from consumerdedup.errors import REASON_LIMIT
+    from consumerdedup.reasons import REASON_LIMIT
 
     dead: list[Result] = []
     dedup = Deduplicator(
