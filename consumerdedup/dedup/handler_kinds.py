@@ -64,12 +64,12 @@ def require_blocking(fn: Any) -> None:
 
 
 def require_async(fn: Any) -> None:
-    """TypeError or ConfigurationError unless ``fn`` is a coroutine function (AsyncDeduplicator)."""
+    """ConfigurationError unless ``fn`` is a coroutine function (for AsyncDeduplicator)."""
     found = kind(fn)
     if found in ("generator", "async generator"):
         raise ConfigurationError(_not_run(fn, found, "an async def function without yield"))
     if found != "coroutine":
-        raise TypeError(f"{fn!r} must be an async def function taking (message, session)")
+        raise ConfigurationError(f"{fn!r} must be an async def function taking (message, session)")
 
 
 def check_returned(fn: Any, returned: Any) -> None:

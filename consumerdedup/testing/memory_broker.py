@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from ..errors import SimulatedCrash
+from ..errors import ConfigurationError, SimulatedCrash
 from ..headers import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
 from ..message import Message
 from ..outbox.publisher import Publisher
@@ -76,7 +76,7 @@ class MemoryBroker(Publisher):
 
     def __init__(self, *, duplicate_rate: float = 0.0, seed: int = 0) -> None:
         if not 0.0 <= duplicate_rate < 1.0:
-            raise ValueError("duplicate_rate must be in [0, 1)")
+            raise ConfigurationError("duplicate_rate must be in [0, 1)")
         self.duplicate_rate = duplicate_rate
         self._random = random.Random(seed)
         self._queues: dict[str, _Queue] = {}

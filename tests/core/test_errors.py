@@ -7,6 +7,8 @@ import ast
 import inspect
 import re
 
+import pytest
+
 import consumerdedup
 from consumerdedup import errors
 
@@ -62,3 +64,21 @@ def test_the_tree_draws_every_class_under_its_base() -> None:
 
 def test_every_error_is_exported() -> None:
     assert set(defined_classes()) <= set(consumerdedup.__all__)
+
+
+def test_configuration_mistakes_raise_configuration_error() -> None:
+    """Not a bare TypeError or ValueError; still a ValueError, as every ConfigurationError."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from consumerdedup import AsyncDeduplicator, ConfigurationError, Message
+    from consumerdedup.testing import MemoryBroker
+
+    def plain(message: Message, session: object) -> None:
+        pass
+
+    engine = create_async_engine("sqlite+aiosqlite://")
+    with pytest.raises(ConfigurationError, match="must be an async def function"):
+        AsyncDeduplicator(engine, "c").handler(plain)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="duplicate_rate") as caught:
+        MemoryBroker(duplicate_rate=1.5)
+    assert isinstance(caught.value, ValueError)
