@@ -63,6 +63,20 @@ class Tables:
     partitioned: bool = False
     """processed_events is range-partitioned by day on processed_at (PostgreSQL only)."""
 
+    def __repr__(self) -> str:
+        """The ``define()`` call that names these tables (``Tables.define()`` for the
+        defaults), not every Column: it is what help() shows for ``tables=DEFAULT``."""
+        pe, ob = self.processed_events, self.outbox
+        schema = f"{pe.schema}." if pe.schema else ""
+        args = []
+        if (pe.fullname, ob.fullname) != ("processed_events", "outbox"):
+            args = [repr(pe.fullname), repr(ob.fullname)]
+        if self.idempotency_keys.fullname != f"{schema}idempotency_keys":
+            args.append(f"idempotency_keys={self.idempotency_keys.fullname!r}")
+        if self.partitioned:
+            args.append("partitioned=True")
+        return f"Tables.define({', '.join(args)})"
+
     @classmethod
     def define(
         cls,
