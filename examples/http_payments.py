@@ -141,7 +141,7 @@ def main() -> None:
             text(f"INSERT INTO {SCHEMA}.balances VALUES (:account, :amount)"), message.json()
         )
 
-    MemoryConsumerRunner(broker, "payments", apply).run(until_idle=True)
+    MemoryConsumerRunner(apply, "payments", broker=broker).run(until_idle=True)
 
     with engine.connect() as conn:
         payments = conn.execute(text(f"SELECT count(*) FROM {SCHEMA}.payments")).scalar()

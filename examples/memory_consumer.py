@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from consumerdedup import Deduplicator, Message, SimulatedCrash, install
-from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
 
 engine = create_engine("sqlite://")
 install(engine)
@@ -34,7 +34,9 @@ for n in range(100):
 broker.crash_before_ack()  # the first consumer dies after its first commit
 
 for _ in range(2):  # the crash, then the restarted consumer
-    runner = MemoryConsumerRunner(broker, "orders", place_order, batch_size=10)
+    runner = MemoryConsumerRunner(
+        place_order, "orders", broker=broker, config=MemoryConfig(batch_size=10)
+    )
     try:
         runner.run(until_idle=True)
     except SimulatedCrash:

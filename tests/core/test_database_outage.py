@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from consumerdedup import Deduplicator, Message, Outcome
-from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
 
 VICTIM = "consumerdedup-outage-victim"
 
@@ -53,7 +54,9 @@ def test_connections_killed_repeatedly_mid_stream_lose_nothing(pg: Any) -> None:
     total = 400
     for i in range(total):
         broker.publish("payments", json.dumps({"n": i}).encode(), message_id=f"m-{i:04d}")
-    runner = MemoryConsumerRunner(broker, "payments", handle, batch_size=5, retry_delay=0.05)
+    pause = timedelta(milliseconds=50)  # no doubling: the outage is over within a few
+    config = MemoryConfig(batch_size=5, retry_delay=pause, max_retry_delay=pause)
+    runner = MemoryConsumerRunner(handle, "payments", broker=broker, config=config)
     kills: list[int] = []
 
     def killer() -> None:

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import text
 
 from consumerdedup import AsyncDeduplicator, ConfigurationError, Deduplicator, Message
-from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
 from tests.conftest import Database
 from tests.core.test_pipeline_attacks import create_ledger, effects
 
@@ -51,7 +51,9 @@ def test_a_handler_that_hands_back_unrun_work_stops_the_runner_and_keeps_the_mes
     broker = MemoryBroker()
     for i in range(3):
         broker.publish("orders", b"{}", message_id=f"m{i}")
-    runner = MemoryConsumerRunner(broker, "orders", handle, batch_size=2)
+    runner = MemoryConsumerRunner(
+        handle, "orders", broker=broker, config=MemoryConfig(batch_size=2)
+    )
     try:
         with pytest.raises(ConfigurationError, match="body did not run"):
             runner.run(until_idle=True)

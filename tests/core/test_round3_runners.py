@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outbox, RetryPolicy
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
 from consumerdedup.headers import REASON_HEADER
-from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
 from tests.conftest import Database
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
@@ -75,9 +75,8 @@ def test_the_memory_runner_dead_letters_the_message_and_goes_on(db: Database, ha
     broker = MemoryBroker()
     for mid, order_id in ORDERS:
         broker.publish("orders", json.dumps({"order": order_id}).encode(), message_id=mid)
-    MemoryConsumerRunner(broker, "orders", handler, batch_size=2, retry_delay=0).run(
-        until_idle=True
-    )
+    config = MemoryConfig(batch_size=2, retry_delay=timedelta(0))
+    MemoryConsumerRunner(handler, "orders", broker=broker, config=config).run(until_idle=True)
     dead = [(m.id, m.headers[REASON_HEADER]) for m in broker.messages("orders.dlq")]
     check_outcome(db, dead)
     assert broker.held("orders") == 0

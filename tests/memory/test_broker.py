@@ -25,7 +25,7 @@ from consumerdedup import (
     RetryPolicy,
     SimulatedCrash,
 )
-from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
 from consumerdedup.testing.memory_broker import CONSUMER_HEADER, REASON_HEADER, Delivery
 from tests.conftest import Database
 from tests.core.test_lifecycle import MARGIN
@@ -373,12 +373,17 @@ class Ledger:
 
 
 def runner_for(
-    db: Database, broker: MemoryBroker, ledger: Ledger, batch_size: int = 1
+    db: Database,
+    broker: MemoryBroker,
+    ledger: Ledger,
+    batch_size: int = 1,
+    poll_timeout: timedelta = timedelta(milliseconds=500),
 ) -> MemoryConsumerRunner:
     dedup = Deduplicator(db.engine, consumer="ledger", tables=db.tables, retry=ONE_TRY)
-    return MemoryConsumerRunner(
-        broker, "payments", dedup.handler(ledger), batch_size=batch_size, retry_delay=0.0
+    config = MemoryConfig(
+        batch_size=batch_size, poll_timeout=poll_timeout, retry_delay=timedelta(0)
     )
+    return MemoryConsumerRunner(dedup.handler(ledger), "payments", broker=broker, config=config)
 
 
 def body(**controls: object) -> bytes:
@@ -470,8 +475,7 @@ def test_runner_gives_several_retries_back_in_their_order(db: Database) -> None:
 def test_stop_from_another_thread_makes_run_return(db: Database) -> None:
     broker = MemoryBroker()
     ledger = Ledger(db)
-    runner = runner_for(db, broker, ledger)
-    runner.poll_interval = 0.02
+    runner = runner_for(db, broker, ledger, poll_timeout=timedelta(milliseconds=20))
     worker = threading.Thread(target=runner.run, daemon=True)
     worker.start()
 
@@ -486,7 +490,8 @@ def test_stop_from_another_thread_makes_run_return(db: Database) -> None:
     runner.stop()
     worker.join(5)
     assert not worker.is_alive()
-    assert time.monotonic() - started < runner.poll_interval + MARGIN  # its fetch's wait
+    poll_timeout = runner.config.poll_timeout.total_seconds()
+    assert time.monotonic() - started < poll_timeout + MARGIN  # its fetch's wait
     assert ledger.rows() == ["p0", "p1", "p2"]
     assert runner.outcomes == Counter({Outcome.PROCESSED: 3})
     broker.publish("payments", body(), message_id="late")

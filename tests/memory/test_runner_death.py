@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from consumerdedup import Deduplicator, Message
-from consumerdedup.testing import MemoryBroker, MemoryConsumerRunner
+from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
 from tests.conftest import Database
 
 
@@ -37,11 +37,12 @@ def test_keyboard_interrupt_in_a_handler_leaves_every_delivery_to_the_next_runne
             {"m": message.id},
         )
 
+    config = MemoryConfig(batch_size=3)
     with pytest.raises(KeyboardInterrupt):
-        MemoryConsumerRunner(broker, "payments", handle, batch_size=3).run(until_idle=True)
+        MemoryConsumerRunner(handle, "payments", broker=broker, config=config).run(until_idle=True)
     assert broker.held("payments") == 4  # the batch in flight rolled back; none acked
 
-    MemoryConsumerRunner(broker, "payments", handle, batch_size=3).run(until_idle=True)
+    MemoryConsumerRunner(handle, "payments", broker=broker, config=config).run(until_idle=True)
     with sqlite_db.engine.connect() as conn:
         applied = sorted(r[0] for r in conn.exec_driver_sql(f"SELECT message_id FROM {ledger}"))
     assert applied == ["p0", "p1", "p2", "p3"]
