@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The demo needs the core only (SQLAlchemy, tenacity): no test, lint or broker packages.
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: install demo test lint bench clean
 
@@ -14,7 +16,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test $(STAMP) -nt pyproject.toml || \
+		$(BIN)/python -m pip install -q --disable-pip-version-check -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/consumerdedup demo
 
 test: $(STAMP)

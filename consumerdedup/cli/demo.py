@@ -5,7 +5,11 @@ that a downstream consumer turns into a notification. The broker redelivers
 acked messages at random (as after a lost ack or a rebalance), the producer
 retries some publishes, the consumer is killed between commit and ack several
 times and restarted, the relay is killed once after a broker confirmation, and
-the stream carries a malformed message and a reused id. At the end every
+the stream carries a malformed message, an unknown account and a reused id.
+
+The report says what was sent, what the broker delivered, what the consumer
+did with each delivery, and what a consumer without deduplication would have
+credited; every group of counts adds up to its total. At the end every
 balance must be exactly the sum of the distinct payments.
 """
 
@@ -13,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import random
 import sys
 import tempfile
-from collections import Counter, defaultdict
+from collections import Counter
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 from ..dedup.deduplicator import DedupHandler, Deduplicator
@@ -31,21 +35,28 @@ from ..errors import PermanentError, SimulatedCrash
 from ..headers import REASON_HEADER
 from ..message import Message
 from ..outbox.outbox import Outbox
-from ..outbox.publisher import Publisher
 from ..outbox.relay import OutboxRelay
 from ..outcome import Outcome
 from ..schema import install
-from ..testing import MemoryBroker, MemoryConsumerRunner
-from ..testing.memory_broker import Delivery
+from ..testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
+from .demo_scenario import (
+    ACCOUNTS,
+    BAD,
+    CRASHES,
+    EVENTS,
+    PAYMENTS,
+    QUEUE,
+    RELAY_DIES_AFTER,
+    REUSED_AMOUNT,
+    DiesOnce,
+    Sent,
+    WithoutDedup,
+    is_offset,
+    publish,
+)
 
 NAME = "demo"
 HELP = "run the embedded demo (SQLite and an in-memory broker)"
-
-QUEUE = "payments"
-EVENTS = "account-events"
-ACCOUNTS = [f"ACC-{n:03d}" for n in range(1, 21)]
-PAYMENTS = 1_000
-CRASHES = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +80,16 @@ def play(out: TextIO) -> int:
         log.setLevel(level)
 
 
+@dataclass
+class _Stage:
+    """The broker's counters over one consumer's run, and what the consumer decided."""
+
+    deliveries: int
+    again: int
+    outcomes: Counter[Outcome]
+    restarts: int
+
+
 def _run(path: Path, out: TextIO) -> int:
     engine = create_engine(f"sqlite:///{path}")
     install(engine)
@@ -79,13 +100,13 @@ def _run(path: Path, out: TextIO) -> int:
 
     rng = random.Random(2026)
     broker = MemoryBroker(duplicate_rate=0.15, seed=7)
-    expected = _publish(broker, rng)
-    crash_points = set(rng.sample(range(PAYMENTS), CRASHES))
-    for n in sorted(crash_points):
-        broker.crash_before_ack(partial(_is_offset, n))
+    sent = publish(broker, rng)
+    for n in sorted(rng.sample(range(PAYMENTS), CRASHES)):
+        broker.crash_before_ack(partial(is_offset, n))
 
     outbox = Outbox()
-    ledger = Deduplicator(engine, consumer="ledger")
+    naive = WithoutDedup()
+    ledger = Deduplicator(engine, consumer="ledger", observers=[naive])
 
     @ledger.handler
     def credit(message: Message, session: Session) -> None:
@@ -99,15 +120,16 @@ def _run(path: Path, out: TextIO) -> int:
         # Emitted in the same transaction: the event exists if and only if the credit does.
         outbox.add(session, EVENTS, message.body, key=payment["account"])
 
-    outcomes, restarts = _consume(broker, QUEUE, credit)
-    first_stage = (broker.published, broker.delivered, broker.redelivered)
+    payments = _stage(broker, QUEUE, credit)
+    dead_letters = broker.messages(QUEUE + ".dlq")
 
     # The relay dies once right after the broker confirmed a few events, before
     # marking them published: they go out twice, and the downstream dedups them.
-    dying = _DiesOnce(broker, after=5)
+    before = broker.published
     with contextlib.suppress(SimulatedCrash):
-        OutboxRelay(engine, dying).drain()
+        OutboxRelay(engine, DiesOnce(broker, after=RELAY_DIES_AFTER)).drain()
     OutboxRelay(engine, broker).drain()
+    relayed = broker.published - before
 
     notifications = Deduplicator(engine, consumer="notifications")
 
@@ -115,46 +137,95 @@ def _run(path: Path, out: TextIO) -> int:
     def notify(message: Message, session: Session) -> None:
         session.execute(text("INSERT INTO notifications VALUES (:id)"), {"id": message.id})
 
-    downstream, _ = _consume(broker, EVENTS, notify)
-
-    with engine.connect() as conn:
-        rows = conn.execute(text("SELECT id, balance FROM accounts")).tuples()
-        balances: dict[str, int] = dict(rows.all())
-        records = conn.execute(text("SELECT count(*) FROM processed_events")).scalar()
-        sent = conn.execute(text("SELECT count(*) FROM notifications")).scalar_one()
-    engine.dispose()
-    published, delivered, redelivered = first_stage
+    downstream = _stage(broker, EVENTS, notify)
+    balances, events, notified = _read(engine)
     lines = [
-        "consumerdedup demo: payments consumer on SQLite + in-memory broker",
-        "",
-        f"  payments published            {PAYMENTS:>6}",
-        f"    + producer retries, bad     {published - PAYMENTS:>6}",
-        f"  deliveries                    {delivered:>6}",
-        f"    redelivered                 {redelivered:>6}",
-        f"  crashes between commit & ack  {restarts:>6}  (consumer restarted each time)",
-        f"  processed (handler ran)       {outcomes[Outcome.PROCESSED]:>6}",
-        f"  duplicates skipped            {outcomes[Outcome.DUPLICATE]:>6}",
-        f"  failed -> dead-letter queue   {outcomes[Outcome.FAILED]:>6}",
-        f"  dedup records (2 consumers)   {records!s:>6}",
-        "",
-        "  dead letters:",
-        *(f"    {m.id}: {m.headers.get(REASON_HEADER)}" for m in broker.messages(QUEUE + ".dlq")),
-        "",
-        "  outbox: each credit emitted an event in the same transaction as the credit",
-        f"  events published by the relay {broker.published - published:>6}  "
-        "(relay killed once after a confirm: some went twice)",
-        f"  notifications sent downstream {downstream[Outcome.PROCESSED]:>6}",
-        f"    duplicates skipped          {downstream[Outcome.DUPLICATE]:>6}",
-        "",
+        "consumerdedup demo: a payments consumer on SQLite and an in-memory broker, under fire",
+        *_report_payments(sent, payments, dead_letters),
+        *_report_without(naive, sent, payments),
+        *_report_events(events, relayed, downstream),
     ]
-    failures = _check(expected, balances, outcomes, downstream, sent)
-    lines += [f"  FAIL: {failure}" for failure in failures] or [
-        f"  OK: all {len(ACCOUNTS)} account balances are exact (total {sum(balances.values())}):"
-        " every payment applied exactly once",
-        f"  OK: {sent} notifications for {PAYMENTS} credits: every event handled exactly once",
+    failures = _check(sent.expected, balances, payments.outcomes, downstream.outcomes, notified)
+    lines += [f"FAIL: {failure}" for failure in failures] or [
+        f"OK: all {len(ACCOUNTS)} account balances are exact (total "
+        f"{sum(balances.values()):,}): every payment applied exactly once",
+        f"OK: {notified:,} notifications for {PAYMENTS:,} credits: every event handled once",
     ]
     out.write("\n".join(lines) + "\n")
     return 1 if failures else 0
+
+
+def _read(engine: Engine) -> tuple[dict[str, int], int, int]:
+    """The balances, the outbox rows the credits wrote, and the notifications made."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, balance FROM accounts")).all()
+        balances: dict[str, int] = {account: balance for account, balance in rows}
+        events = conn.execute(text("SELECT count(*) FROM outbox")).scalar_one()
+        notified = conn.execute(text("SELECT count(*) FROM notifications")).scalar_one()
+    engine.dispose()
+    return balances, events, notified
+
+
+def _report_payments(sent: Sent, stage: _Stage, dead_letters: list[Message]) -> list[str]:
+    done = stage.outcomes
+    return [
+        "",
+        f"The producer sent {PAYMENTS + sent.retried + len(BAD):,} messages to {QUEUE!r}:",
+        f"  {PAYMENTS:>6,}  payments, each crediting one of {len(ACCOUNTS)} accounts",
+        f"  {sent.retried:>6,}  of them sent a second time (the producer retried after a timeout)",
+        f"  {len(BAD):>6,}  bad messages: malformed JSON, an unknown account, a reused id",
+        "",
+        f"The broker made {stage.deliveries:,} deliveries:",
+        f"  {stage.deliveries - stage.again:>6,}  first deliveries, one per message",
+        f"  {stage.again:>6,}  deliveries again, as after a lost ack or a rebalance, and after",
+        f"          {stage.restarts} crashes of the consumer between commit and ack "
+        "(restarted each time)",
+        "",
+        f"consumerdedup decided each of the {stage.deliveries:,} deliveries:",
+        f"  {done[Outcome.PROCESSED]:>6,}  processed: the credit committed, once per payment",
+        f"  {done[Outcome.DUPLICATE]:>6,}  duplicates: already processed, the handler did not run",
+        f"  {done[Outcome.FAILED]:>6,}  failed: recorded, and dead-lettered with the reason:",
+        *(f"            {m.id}: {_short(m.headers.get(REASON_HEADER))}" for m in dead_letters),
+    ]
+
+
+def _report_without(naive: WithoutDedup, sent: Sent, stage: _Stage) -> list[str]:
+    credits = naive.credits
+    wrong = sum(naive.balances[a] != sent.expected[a] for a in ACCOUNTS)
+    return [
+        "",
+        f"Without deduplication, the same handler on the same {stage.deliveries:,} deliveries "
+        "would have",
+        f"applied {credits.total():,} credits for {PAYMENTS:,} payments:",
+        f"  {credits[Outcome.PROCESSED]:>6,}  credits, one per payment",
+        f"  {credits[Outcome.DUPLICATE]:>6,}  credits applied again, one per duplicate delivery",
+        f"  {credits[Outcome.FAILED]:>6,}  credit of {REUSED_AMOUNT:,} to ACC-001 "
+        "under the reused id",
+        f"It would have credited {naive.balances.total():,} in all instead of "
+        f"{sum(sent.expected.values()):,}: {wrong} of {len(ACCOUNTS)} balances wrong.",
+    ]
+
+
+def _report_events(events: int, relayed: int, stage: _Stage) -> list[str]:
+    done = stage.outcomes
+    return [
+        "",
+        f"Each credit wrote an event to the outbox in its own transaction: {events:,} events.",
+        f"The relay sent {relayed:,}: it was killed once after the broker confirmed "
+        f"{RELAY_DIES_AFTER} events,",
+        f"before marking them sent, so those {relayed - events} went twice: the relay publishes "
+        "at least once.",
+        f"The downstream consumer got {stage.deliveries:,} deliveries "
+        f"({stage.deliveries - stage.again:,} first, {stage.again:,} again) and decided:",
+        f"  {done[Outcome.PROCESSED]:>6,}  notifications sent",
+        f"  {done[Outcome.DUPLICATE]:>6,}  duplicates: already notified, the handler did not run",
+        "",
+    ]
+
+
+def _short(reason: str | None, width: int = 64) -> str:
+    reason = reason or ""
+    return reason if len(reason) <= width else reason[: width - 3] + "..."
 
 
 def _check(
@@ -162,7 +233,7 @@ def _check(
     balances: dict[str, int],
     outcomes: Counter[Outcome],
     downstream: Counter[Outcome],
-    sent: int,
+    notified: int,
 ) -> list[str]:
     failures = []
     wrong = {a: (balances[a], expected[a]) for a in ACCOUNTS if balances[a] != expected[a]}
@@ -170,19 +241,20 @@ def _check(
         failures.append(f"{len(wrong)} balances are wrong (actual, expected): {wrong}")
     if outcomes[Outcome.PROCESSED] != PAYMENTS:
         failures.append(f"{outcomes[Outcome.PROCESSED]} payments processed, not {PAYMENTS}")
-    if sent != PAYMENTS or downstream[Outcome.PROCESSED] != PAYMENTS:
-        failures.append(f"{sent} notifications for {PAYMENTS} credits")
+    if notified != PAYMENTS or downstream[Outcome.PROCESSED] != PAYMENTS:
+        failures.append(f"{notified} notifications for {PAYMENTS} credits")
     return failures
 
 
-def _consume(
-    broker: MemoryBroker, queue: str, handler: DedupHandler
-) -> tuple[Counter[Outcome], int]:
+def _stage(broker: MemoryBroker, queue: str, handler: DedupHandler) -> _Stage:
     """Run consumers until the queue is empty, restarting each one that crashes."""
+    delivered, again = broker.delivered, broker.redelivered
     restarts = 0
     outcomes: Counter[Outcome] = Counter()
     while True:
-        runner = MemoryConsumerRunner(broker, queue, handler, batch_size=10)
+        runner = MemoryConsumerRunner(
+            handler, queue, broker=broker, config=MemoryConfig(batch_size=10)
+        )
         try:
             runner.run(until_idle=True)
         except SimulatedCrash:
@@ -190,42 +262,10 @@ def _consume(
             continue
         finally:
             outcomes.update(runner.outcomes)
-        return outcomes, restarts
-
-
-class _DiesOnce(Publisher):
-    """A publisher that dies after ``after`` confirmed publishes, before the relay can mark them."""
-
-    def __init__(self, broker: MemoryBroker, after: int) -> None:
-        self.broker = broker
-        self.after = after
-        self.published = 0
-
-    def publish(
-        self, destination: str, body: bytes, key: str | None = None, headers: Any = None
-    ) -> None:
-        self.broker.publish(destination, body, key, headers)
-        self.published += 1
-        if self.published == self.after:
-            raise SimulatedCrash("relay killed after the broker confirmed")
-
-
-def _is_offset(offset: int, delivery: Delivery) -> bool:
-    return delivery.offset == offset
-
-
-def _publish(broker: MemoryBroker, rng: random.Random) -> dict[str, int]:
-    """Publish the payments, with producer retries, a poison message and a reused id."""
-    expected: dict[str, int] = defaultdict(int)
-    for n in range(PAYMENTS):
-        account, amount = rng.choice(ACCOUNTS), rng.randint(1, 500)
-        body = json.dumps({"account": account, "amount": amount}).encode()
-        copies = 2 if rng.random() < 0.05 else 1  # the producer retried after a timeout
-        for _ in range(copies):
-            broker.publish(QUEUE, body, message_id=f"pay-{n:05d}")
-        expected[account] += amount
-    broker.publish(QUEUE, b"{not json", message_id="pay-malformed")
-    broker.publish(QUEUE, b'{"account": "ACC-999", "amount": 5}', message_id="pay-unknown")
-    # A buggy producer reuses an id for a different payment: reported, never applied.
-    broker.publish(QUEUE, b'{"account": "ACC-001", "amount": 1000000}', message_id="pay-00000")
-    return expected
+        break
+    return _Stage(
+        deliveries=broker.delivered - delivered,
+        again=broker.redelivered - again,
+        outcomes=outcomes,
+        restarts=restarts,
+    )
