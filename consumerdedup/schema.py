@@ -1,13 +1,16 @@
 """The library's tables, as SQLAlchemy Core objects users can merge into Alembic.
 
 ``tables = Tables.define(metadata=my_metadata)`` adds them to your own
-MetaData (so ``alembic revision --autogenerate`` sees them); ``install(engine)``
-creates them directly, idempotently.
+MetaData (so ``alembic revision --autogenerate`` sees them; the recipe is
+docs/migrations.md, its helpers ``consumerdedup.migrations``);
+``install(engine)`` creates them directly, idempotently: on a database that
+already has everything it only reads the catalog, changes nothing and takes no
+lock on a table. ``installed_version(engine)`` reads the schema version it recorded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,15 +29,27 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    insert,
+    select,
     text,
+    update,
 )
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from .db.names import fit_name, split_name
+from .db import catalog
+from .db.catalog import SchemaLocked
+from .db.names import fit_name, split_name, table_sql
 from .db.partitions import AHEAD, DayPartitions
 from .errors import ConfigurationError
 
+__all__ = ["SCHEMA_VERSION", "SchemaLocked", "Tables", "ddl", "install", "installed_version"]
+
 ID_LENGTH = 255
+SCHEMA_VERSION = 1
+"""The layout of the tables this release reads and writes; ``install()`` records it per
+table in the version table, and a release that changes the layout raises it (see
+docs/migrations.md). Version 1: the tables as of the first release that records one."""
+VERSION_TABLE = "consumerdedup_schema"
 NOTIFY_PREFIX = "consumerdedup_"
 """Of the PostgreSQL NOTIFY channels that wake outbox relays."""
 
@@ -54,12 +69,14 @@ _BIGINT_ID = BigInteger().with_variant(Integer(), "sqlite")
 
 @dataclass(frozen=True)
 class Tables:
-    """The processed_events, outbox and idempotency_keys tables, under names you choose."""
+    """The processed_events, outbox and idempotency_keys tables, under names you choose,
+    and the version table where ``install()`` records their schema version."""
 
     metadata: MetaData
     processed_events: Table
     outbox: Table
     idempotency_keys: Table
+    version_table: Table
     partitioned: bool = False
     """processed_events is range-partitioned by day on processed_at (PostgreSQL only)."""
 
@@ -86,11 +103,13 @@ class Tables:
         *,
         partitioned: bool = False,
         idempotency_keys: str | None = None,
+        version_table: str | None = None,
     ) -> Tables:
         """The tables; ``partitioned=True`` makes processed_events range-partitioned by day.
 
         ``idempotency_keys`` (the HTTP idempotency-key records) defaults to a
-        table of that name in processed_events' schema.
+        table of that name in processed_events' schema, and ``version_table`` (one row per
+        table: its schema version) to ``consumerdedup_schema`` there.
 
         A partitioned table lets the pruner drop whole days instead of deleting
         rows (20x faster), but PostgreSQL cannot keep (consumer, message_id)
@@ -104,12 +123,15 @@ class Tables:
         if idempotency_keys is None:
             idempotency_keys = f"{pe_schema}.idempotency_keys" if pe_schema else "idempotency_keys"
         ik_schema, ik_name = split_name(idempotency_keys)
-        if len({processed_events, outbox, idempotency_keys}) < 3:
+        if version_table is None:
+            version_table = f"{pe_schema}.{VERSION_TABLE}" if pe_schema else VERSION_TABLE
+        vt_schema, vt_name = split_name(version_table)
+        if len({processed_events, outbox, idempotency_keys, version_table}) < 4:
             raise ConfigurationError(
-                f"the tables need three different names, not {processed_events!r}, "
-                f"{outbox!r} and {idempotency_keys!r}"
+                f"the tables need four different names, not {processed_events!r}, "
+                f"{outbox!r}, {idempotency_keys!r} and {version_table!r}"
             )
-        for name in (processed_events, outbox, idempotency_keys):
+        for name in (processed_events, outbox, idempotency_keys, version_table):
             if name in metadata.tables:
                 raise ConfigurationError(f"table {name!r} is already defined on this MetaData")
         if not isinstance(partitioned, bool):
@@ -184,17 +206,34 @@ class Tables:
             Index(_index_name(ik_name, "expires_at"), "expires_at"),
             schema=ik_schema,
         )
+        vt = Table(
+            vt_name,
+            metadata,
+            # A table's name as Tables spells it (schema-qualified when given), so the
+            # several table sets one database may hold each have their rows.
+            Column("table_name", String(2 * ID_LENGTH), primary_key=True),
+            Column("version", Integer, nullable=False),
+            Column("installed_at", DateTime(timezone=True), nullable=False),
+            schema=vt_schema,
+        )
         return cls(
             metadata=metadata,
             processed_events=pe,
             outbox=ob,
             idempotency_keys=ik,
+            version_table=vt,
             partitioned=partitioned,
         )
 
     @property
     def all(self) -> tuple[Table, Table, Table]:
+        """The three tables that hold data (the version table is ``owned``'s fourth)."""
         return (self.processed_events, self.outbox, self.idempotency_keys)
+
+    @property
+    def owned(self) -> tuple[Table, Table, Table, Table]:
+        """Every table ``install()`` creates: ``all`` and the version table."""
+        return (*self.all, self.version_table)
 
     @property
     def notify_channel(self) -> str:
@@ -203,27 +242,57 @@ class Tables:
         too until ``install()`` replaces the trigger; now it is ``notify_channel_of(oid)``."""
         return f"{NOTIFY_PREFIX}{self.outbox.fullname.replace('.', '_')}"[:63]
 
+    @property
+    def notify_names(self) -> tuple[str, str]:
+        """The outbox's NOTIFY trigger and its function, unquoted (the function in the
+        outbox's schema; in the current schema when the outbox has none)."""
+        name = f"{self.outbox.name}_notify"[:63]
+        return name, name
+
     def notify_trigger_ddl(self) -> list[str]:
         """PostgreSQL: a statement-level trigger that NOTIFYs relays on insert.
 
         NOTIFY is delivered at commit, so a relay wakes exactly when new rows
-        become visible; a rolled-back insert wakes nobody.
+        become visible; a rolled-back insert wakes nobody. These statements replace
+        whatever is there (for a migration or ``--sql``); ``install()`` sends only
+        the ones that something missing or different needs.
         """
+        return [self.notify_function_sql(), self.drop_trigger_sql(), self.create_trigger_sql()]
+
+    def notify_function_sql(self) -> str:
+        return (
+            f"CREATE OR REPLACE FUNCTION {self._function_sql()}() RETURNS trigger "
+            f"LANGUAGE plpgsql AS $${NOTIFY_BODY}$$"
+        )
+
+    def drop_trigger_sql(self) -> str:
+        return f'DROP TRIGGER IF EXISTS "{self.notify_names[0]}" ON {self._outbox_sql()}'
+
+    def create_trigger_sql(self) -> str:
+        return (
+            f'CREATE TRIGGER "{self.notify_names[0]}" AFTER INSERT ON {self._outbox_sql()} '
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {self._function_sql()}()"
+        )
+
+    def drop_function_sql(self) -> str:
+        return f"DROP FUNCTION IF EXISTS {self._function_sql()}()"
+
+    def _outbox_sql(self) -> str:
         table = self.outbox
-        qualified = f'"{table.schema}"."{table.name}"' if table.schema else f'"{table.name}"'
-        function = f"{table.name}_notify"[:63]
-        function = f'"{table.schema}"."{function}"' if table.schema else f'"{function}"'
-        trigger = f'"{table.name}_notify"'
-        return [
-            f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
-            # By the table's OID, as the relay's locks: every spelling of one table (with
-            # or without its schema) is one channel, and two outboxes are two.
-            f"$$ BEGIN PERFORM pg_notify('{NOTIFY_PREFIX}' || TG_RELID::text, ''); "
-            "RETURN NULL; END $$",
-            f"DROP TRIGGER IF EXISTS {trigger} ON {qualified}",
-            f"CREATE TRIGGER {trigger} AFTER INSERT ON {qualified} "
-            f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
-        ]
+        return f'"{table.schema}"."{table.name}"' if table.schema else f'"{table.name}"'
+
+    def _function_sql(self) -> str:
+        function = self.notify_names[1]
+        return f'"{self.outbox.schema}"."{function}"' if self.outbox.schema else f'"{function}"'
+
+
+# By the table's OID, as the relay's locks: every spelling of one table (with or without
+# its schema) is one channel, and two outboxes are two. install() compares it with pg_proc.
+NOTIFY_BODY = (
+    f" BEGIN PERFORM pg_notify('{NOTIFY_PREFIX}' || TG_RELID::text, ''); RETURN NULL; END "
+)
+_AFTER_INSERT_FOR_EACH_STATEMENT = 4
+"""pg_trigger.tgtype of our trigger: TRIGGER_TYPE_INSERT, neither ROW nor BEFORE."""
 
 
 def notify_channel_of(oid: int) -> str:
@@ -238,7 +307,16 @@ outbox = DEFAULT.outbox
 
 
 def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
-    """Create the schemas and tables that are missing; safe to run any number of times.
+    """Create what is missing and fix what differs; on a database that already has
+    everything, only read the catalog: change nothing, lock no table.
+
+    It checks, in the catalog, the schemas, the four tables, their indexes, the
+    outbox's NOTIFY trigger and its function (PostgreSQL: pg_proc's source, pg_trigger's
+    kind), the DEFAULT and the days-ahead partitions (partitioned), and the recorded
+    schema version. A change that needs a lock on an existing table (a dropped index,
+    trigger or partition made again) waits for it at most ``catalog.LOCK_TIMEOUT``,
+    then raises ``SchemaLocked`` naming the table and the fix. A day partition not made
+    in time is only logged (the pruner makes it on its next round).
 
     Given a Connection (``await conn.run_sync(install)`` with asyncio), it runs
     inside that connection's transaction.
@@ -253,21 +331,115 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
             f"a partitioned processed_events needs PostgreSQL, not {bind.dialect.name}"
         )
     if postgres:
-        for schema in sorted({t.schema for t in tables.all if t.schema}):
-            bind.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
-    tables.metadata.create_all(bind, tables=list(tables.all), checkfirst=True)
+        for schema in sorted({t.schema for t in tables.owned if t.schema}):
+            if not catalog.schema_exists(bind, schema):
+                bind.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+    present = catalog.existing(bind, tables.owned)
+    pe = tables.processed_events
+    if tables.partitioned and pe.fullname in present and not DayPartitions(pe).is_partitioned(bind):
+        raise ConfigurationError(
+            f"{pe.fullname} exists and is not partitioned: "
+            "move its rows to a partitioned table, or define Tables without partitioned=True"
+        )
+    for table in tables.owned:
+        if table.fullname not in present:
+            table.create(bind)  # with its indexes; a new table is nobody's to wait on
+            continue
+        for index in catalog.missing_indexes(bind, table):
+            with catalog.bounded(bind, table, f"create its index {index.name}"):
+                if postgres:
+                    bind.execute(text(f"DROP INDEX IF EXISTS {_sibling(table, str(index.name))}"))
+                index.create(bind)
     if postgres:
-        for statement in tables.notify_trigger_ddl():
-            bind.execute(text(statement))
+        _install_trigger(bind, tables)
     if tables.partitioned:
         partitions = DayPartitions(tables.processed_events)
-        if not partitions.is_partitioned(bind):
-            raise ConfigurationError(
-                f"{tables.processed_events.fullname} exists and is not partitioned: "
-                "move its rows to a partitioned table, or define Tables without partitioned=True"
-            )
-        partitions.create_default(bind)
+        default = partitions.qualified(partitions.default_name)
+        if bind.execute(text("SELECT to_regclass(:d)"), {"d": default}).scalar() is None:
+            with catalog.bounded(bind, tables.processed_events, "create its DEFAULT partition"):
+                partitions.create_default(bind)
         partitions.make_ahead(bind, datetime.now(UTC))
+    _record_version(bind, tables)
+
+
+def _sibling(table: Table, name: str) -> str:
+    """An index's name as SQL spells it: in its table's schema."""
+    return f'"{table.schema}"."{name}"' if table.schema else f'"{name}"'
+
+
+def _install_trigger(conn: Connection, tables: Tables) -> None:
+    """The NOTIFY function and trigger, each (re)made only if missing or different."""
+    trigger_name, function_name = tables.notify_names
+    function = catalog.function(conn, tables.outbox.schema, function_name)
+    if function is None or function[1] != NOTIFY_BODY:
+        # Replacing a function locks no table: a trigger that calls it runs the new body.
+        with catalog.bounded(conn, tables.outbox, f"replace its function {function_name}()"):
+            conn.execute(text(tables.notify_function_sql()))
+        function = catalog.function(conn, tables.outbox.schema, function_name)
+    assert function is not None
+    found = catalog.trigger(conn, tables.outbox, trigger_name)
+    expected = catalog.Trigger(function[0], _AFTER_INSERT_FOR_EACH_STATEMENT, "O", 0, False)
+    if found in (expected, replace(expected, enabled="A")):
+        return
+    with catalog.bounded(conn, tables.outbox, f"create its NOTIFY trigger {trigger_name}"):
+        if found is not None:
+            conn.execute(text(tables.drop_trigger_sql()))
+        conn.execute(text(tables.create_trigger_sql()))
+
+
+def _record_version(conn: Connection, tables: Tables) -> None:
+    """Each data table's row in the version table says ``SCHEMA_VERSION``; a row of a
+    newer release (a rolling deploy: the newer instance installed first) stays."""
+    versions = _versions(conn, tables)
+    vt = tables.version_table
+    stamp = utcnow()
+    for table in tables.all:
+        recorded = versions.get(table.fullname)
+        if recorded is None:
+            conn.execute(
+                insert(vt).values(
+                    table_name=table.fullname, version=SCHEMA_VERSION, installed_at=stamp
+                )
+            )
+        elif recorded < SCHEMA_VERSION:
+            conn.execute(
+                update(vt)
+                .where(vt.c.table_name == table.fullname)
+                .values(version=SCHEMA_VERSION, installed_at=stamp)
+            )
+
+
+def _versions(conn: Connection, tables: Tables) -> dict[str, int]:
+    vt = tables.version_table
+    names = [t.fullname for t in tables.all]
+    query = select(vt.c.table_name, vt.c.version).where(vt.c.table_name.in_(names))
+    return {name: int(version) for name, version in conn.execute(query)}
+
+
+def installed_version(bind: Engine | Connection, tables: Tables = DEFAULT) -> int | None:
+    """The schema version ``install()`` recorded for these tables: the lowest of the three
+    tables' versions; None when the version table or a table's row is missing (tables made
+    by a release before versions, or by hand). ``SCHEMA_VERSION`` is this release's."""
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return installed_version(conn, tables)
+    if tables.version_table.fullname not in catalog.existing(bind, [tables.version_table]):
+        return None
+    versions = _versions(bind, tables)
+    if any(t.fullname not in versions for t in tables.all):
+        return None
+    return min(versions.values())
+
+
+def version_rows_sql(tables: Tables, dialect: str = "postgresql") -> list[str]:
+    """The INSERTs that record ``SCHEMA_VERSION`` for a fresh set of tables (as install()
+    does), for ``ddl()`` and a migration's upgrade()."""
+    into = table_sql(tables.version_table, dialect)
+    return [
+        f"INSERT INTO {into} (table_name, version, installed_at) "
+        f"VALUES ('{table.fullname}', {SCHEMA_VERSION}, CURRENT_TIMESTAMP)"
+        for table in tables.all  # validated identifiers: nothing to escape
+    ]
 
 
 def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
@@ -277,13 +449,14 @@ def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
             f"a partitioned processed_events needs PostgreSQL, not {engine.dialect.name}"
         )
     statements: list[str] = []
-    for schema in sorted({t.schema for t in tables.all if t.schema}):
+    for schema in sorted({t.schema for t in tables.owned if t.schema}):
         if engine.dialect.name == "postgresql":
             statements.append(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-    for table in tables.all:
+    for table in tables.owned:
         statements.append(str(CreateTable(table).compile(dialect=engine.dialect)).strip())
         for index in sorted(table.indexes, key=lambda i: str(i.name)):
             statements.append(str(CreateIndex(index).compile(dialect=engine.dialect)).strip())
+    statements.extend(version_rows_sql(tables, engine.dialect.name))
     if engine.dialect.name == "postgresql":
         statements.extend(tables.notify_trigger_ddl())
     if tables.partitioned:

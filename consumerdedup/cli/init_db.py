@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import ConfigurationError
-from ..schema import ddl, install
+from ..schema import SchemaLocked, ddl, install
 from .common import CommandError, missing_tables, open_database, table_names
 from .redact import shown
 
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         missing = missing_tables(engine, tables)
         install(engine, tables)
-    except ConfigurationError as error:  # --partitioned on SQLite or on a plain table
+    except (ConfigurationError, SchemaLocked) as error:  # --partitioned on SQLite or on a
+        # plain table; a change (a dropped index or trigger) whose table lock was not granted
         raise CommandError(str(error)) from None
     present = [t.fullname for t in tables.all if t not in missing]
     done = [f"created {table_names(missing)}"] if missing else []

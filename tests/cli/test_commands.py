@@ -125,6 +125,7 @@ def test_init_db_twice_on_postgres(pg_target: PgTarget) -> None:
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumerdedup_schema",  # the schema version install() records
     }
 
     second = cli("init-db", *pg_target.options)
@@ -134,6 +135,7 @@ def test_init_db_twice_on_postgres(pg_target: PgTarget) -> None:
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumerdedup_schema",  # the schema version install() records
     }
 
 

@@ -144,7 +144,7 @@ def test_every_name_define_accepts_installs_on_postgresql(
     tables = Tables.define(f"{pg_schema}.{LONGEST}", f"{pg_schema}.{'y' * 63}")
     install(pg_engine, tables)
     names = set(inspect(pg_engine).get_table_names(schema=pg_schema))
-    assert names == {LONGEST, "y" * 63, "idempotency_keys"}
+    assert names == {LONGEST, "y" * 63, "idempotency_keys", "consumerdedup_schema"}
 
 
 # The user's own MetaData (what Alembic autogenerate compares against)
@@ -156,7 +156,13 @@ def test_define_onto_the_users_metadata(sqlite_engine: Engine) -> None:
     tables = Tables.define("dedup_seen", "dedup_outbox", metadata=metadata)
 
     assert tables.metadata is metadata
-    assert set(metadata.tables) == {"orders", "dedup_seen", "dedup_outbox", "idempotency_keys"}
+    assert set(metadata.tables) == {
+        "orders",
+        "dedup_seen",
+        "dedup_outbox",
+        "idempotency_keys",
+        "consumerdedup_schema",
+    }
     assert metadata.tables["dedup_seen"] is tables.processed_events
     assert metadata.tables["dedup_outbox"] is tables.outbox
     # The user's create_all (or migration) builds the library's tables with their own.
@@ -166,6 +172,7 @@ def test_define_onto_the_users_metadata(sqlite_engine: Engine) -> None:
         "dedup_seen",
         "dedup_outbox",
         "idempotency_keys",
+        "consumerdedup_schema",
     }
 
 
@@ -173,7 +180,12 @@ def test_default_tables_do_not_land_in_a_users_metadata() -> None:
     metadata = MetaData()
     Tables.define(metadata=metadata)
     Tables.define()  # another, private MetaData
-    assert set(metadata.tables) == {"processed_events", "outbox", "idempotency_keys"}
+    assert set(metadata.tables) == {
+        "processed_events",
+        "outbox",
+        "idempotency_keys",
+        "consumerdedup_schema",
+    }
 
 
 # install
@@ -202,6 +214,7 @@ def test_install_twice_on_postgresql_creates_the_schema_and_keeps_data(
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumerdedup_schema",
     }
     with pg_engine.begin() as conn:
         conn.execute(insert(tables.processed_events), processed_row("c", "m-1"))
@@ -220,6 +233,7 @@ def test_install_on_a_connection_joins_its_transaction(pg_engine: Engine, pg_sch
             "processed_events",
             "outbox",
             "idempotency_keys",
+            "consumerdedup_schema",
         }
         conn.rollback()
     assert pg_schema not in inspect(pg_engine).get_schema_names()  # rolled back with it
@@ -230,6 +244,7 @@ def test_install_on_a_connection_joins_its_transaction(pg_engine: Engine, pg_sch
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumerdedup_schema",
     }
 
 
@@ -238,7 +253,12 @@ def test_install_on_a_sqlite_connection(sqlite_engine: Engine) -> None:
     with sqlite_engine.begin() as conn:
         install(conn, tables)
         conn.execute(insert(tables.processed_events), processed_row("c", "m-1"))
-    assert set(inspect(sqlite_engine).get_table_names()) == {"seen", "out", "idempotency_keys"}
+    assert set(inspect(sqlite_engine).get_table_names()) == {
+        "seen",
+        "out",
+        "idempotency_keys",
+        "consumerdedup_schema",
+    }
 
 
 def test_custom_table_names_work_end_to_end(db: Database) -> None:
@@ -299,6 +319,7 @@ def test_ddl_on_postgresql_creates_the_schema_first_and_runs_as_printed(
         "seen",
         "out",
         "idempotency_keys",
+        "consumerdedup_schema",
     }
 
 
@@ -314,6 +335,7 @@ def test_ddl_on_sqlite_runs_as_printed(sqlite_engine: Engine) -> None:
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumerdedup_schema",
     }
 
 
