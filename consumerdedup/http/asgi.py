@@ -32,7 +32,7 @@ from . import flow
 from .asgi_held import HeldResponse, send_response
 from .policy import IdempotencyPolicy, RoutePolicy
 from .sql_statements import is_lock_timeout
-from .sql_store import AsyncSqlStore, SqlStore
+from .sql_store import AsyncSqlStore, ClaimLost, SqlStore
 from .store import Claimed, ClaimResult, InFlight
 from .stored import StoredResponse
 from .transactional import hold_commits
@@ -123,6 +123,21 @@ class IdempotencyMiddleware:
         )
         steps = flow.decide(incoming, self.policy, lock_waits=self.lock_waits)
         await _Exchange(self, scope, receive, send).drive(steps)
+
+
+def _complete_sync(
+    store: SqlStore,
+    session: Session,
+    allow: Callable[[], None],
+    scope: str,
+    key: str,
+    token: str,
+    response: StoredResponse,
+    expiry: timedelta,
+) -> None:
+    store.complete_in(session, scope, key, response, expiry, token)
+    allow()
+    session.commit()
 
 
 async def _call(function: Callable[..., Any], *args: Any) -> Any:
@@ -255,13 +270,10 @@ class _Exchange:
         self.capture = capture = HeldResponse(self.send, policy.max_stored_body)
         self.app_task = task = asyncio.ensure_future(self.owner.app(scope, self.replay, capture))
         renewing = None if policy.transactional else asyncio.ensure_future(self.renew(policy))
-        overflowed = asyncio.ensure_future(capture.overflowed.wait())
-        completed = asyncio.ensure_future(capture.completed.wait())
+        task.add_done_callback(capture.decide)
         try:
-            await asyncio.wait({task, overflowed, completed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.shield(capture.decided)
         finally:
-            overflowed.cancel()
-            completed.cancel()
             if renewing is not None:  # the claim ends now: stored, not stored, or released
                 renewing.cancel()
         if capture.completed.is_set():  # the app may still run (work after its response)
@@ -304,7 +316,7 @@ class _Exchange:
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse, expiry: Any
-    ) -> bool:
+    ) -> bool | flow.ClaimLost:
         assert self.held is not None
         if not self.held.policy.transactional:
             try:
@@ -317,13 +329,31 @@ class _Exchange:
                 done = False
             self.held = None
             return done
-        store, session = self.owner.sql_store, self.session
-        assert store is not None and session is not None
+        store, session, allow = self.owner.sql_store, self.session, self.allow_commit
+        assert store is not None and session is not None and allow is not None
         try:
-            await _call(store.complete_in, session, scope, key, response, expiry)
-            assert self.allow_commit is not None
-            self.allow_commit()
-            await _call(session.commit)
+            if isinstance(store, AsyncSqlStore):
+                assert isinstance(session, AsyncSession)
+
+                def commit(sync: Session) -> None:  # in the same greenlet as the UPDATE
+                    allow()
+                    sync.commit()
+
+                await store.complete_in(session, scope, key, response, expiry, token, commit)
+            else:
+                assert isinstance(session, Session)
+                await asyncio.to_thread(
+                    _complete_sync, store, session, allow, scope, key, token, response, expiry
+                )
+        except ClaimLost:
+            log.error(
+                "idempotency claim lost %s: the endpoint rolled back the request's "
+                "transaction; nothing stored or committed",
+                scope,
+            )
+            await self.close_session()
+            self.held = None
+            return flow.ClaimLost()
         except Exception:
             log.exception("idempotency commit failed for %s", scope)
             await self.close_session()

@@ -35,6 +35,9 @@ class HeldResponse:
         self.complete = False
         self.overflowed = asyncio.Event()
         self.completed = asyncio.Event()
+        # Resolved once the response is decided (complete, or overflowed) or the app ended:
+        # one future for the middleware to await, not a task per event.
+        self.decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._trailers = False
         self._gate = asyncio.Event()
         self._passing = False
@@ -62,15 +65,21 @@ class HeldResponse:
                     # Decided now, not when the app returns: what it does after its response
                     # (a background task) must neither hold the response back nor undo it.
                     self.completed.set()
+                    self.decide()
                 return
         # Past the limit, or something we cannot keep (trailers, a body before its start):
         # wait until the not-stored record is written, then send all and pass through.
         self.overflowed.set()
+        self.decide()
         await self._gate.wait()
         self._passing = True
         held, self.messages = self.messages, []
         for held_message in held:
             await self.send(held_message)
+
+    def decide(self, _: object = None) -> None:
+        if not self.decided.done():
+            self.decided.set_result(None)
 
     def open_gate(self) -> None:
         self._gate.set()

@@ -12,7 +12,8 @@ Operations and what the driver sends back:
                             or StoreFailed when the store raised (nothing was claimed)
     Pause(seconds)       -> None, after sleeping
     Run(token)           -> Finished | Overflowed | Crashed (renewing the lease meanwhile)
-    Complete(...)        -> bool: stored (transactional: stored and committed)
+    Complete(...)        -> bool: stored (transactional: stored and committed), or
+                            ClaimLost (transactional: the endpoint rolled back; nothing kept)
     Release(...)         -> None (transactional: rolled back)
 Returned decisions: PassThrough, Respond(response), SendCaptured.
 """
@@ -129,6 +130,12 @@ class StoreFailed:
     nothing; the driver logged the error."""
 
 
+@dataclass(frozen=True)
+class ClaimLost:
+    """What a driver sends for a transactional Complete whose transaction no longer held the
+    claim (the endpoint rolled the session back): nothing was stored or committed."""
+
+
 # Decisions (returned)
 @dataclass(frozen=True)
 class PassThrough:
@@ -241,6 +248,9 @@ def decide(
     else:
         kept = ran.response
     stored = yield Complete(scope, key, claimed.token, kept, route.expiry)
+    if isinstance(stored, ClaimLost):
+        log.error("idempotency claim lost %s %s: nothing committed", where, label)
+        return Respond(problems.claim_lost().response())
     if not stored and route.transactional:
         log.warning("idempotency commit failed %s %s: nothing done, retry runs", where, label)
         return Respond(problems.commit_failed().response())

@@ -119,3 +119,14 @@ def commit_failed() -> Problem:
         "Nothing was done; retry the same request with the same key.",
         (("retry-after", "1"),),
     )
+
+
+def claim_lost() -> Problem:
+    return Problem(
+        500,
+        "claim-lost",
+        "The endpoint ended the request's transaction",
+        "Nothing of this request was committed or stored: the endpoint rolled back the "
+        "transaction its idempotency claim lived in. A retry with the same key gets the "
+        "response of whichever request holds the key, or runs it if none did.",
+    )

@@ -18,6 +18,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import Executable
 
 from ..db.dialects import require_supported
+from ..db.locks import SPACE_SQL
 from ..schema import Tables
 from .store import Claimed, ClaimResult, Completed, InFlight, Mismatch
 from .stored import CorruptStoredResponse, StoredResponse
@@ -100,8 +101,10 @@ class KeyStatements:
         self.renew = update(t).where(mine).values(locked_until=bindparam("b_locked_until"))
         self.release = delete(t).where(mine)
         self.waiting: tuple[Executable, Executable, Executable] | None = None
+        self.trying: Executable | None = None
         if dialect == "postgresql":
             self.waiting = _waiting_claim(t, self.insert, self.reclaim)
+            self.trying = _trying_claim(t)
 
     def claim_steps(
         self,
@@ -128,12 +131,26 @@ class KeyStatements:
         insert: Executable = self.insert
         again: Executable = self.insert
         reclaim: Executable = self.reclaim
-        if wait is not None and self.waiting is not None:
+        insert_first = True
+        if wait is not None and not wait and self.trying is not None:
+            # No wait (the default): one statement takes the key's advisory lock without
+            # waiting, inserts the claim under it and reads a record already there.
+            found = yield self.trying, row
+            tried = found[0]
+            if not tried.got:
+                return InFlight(1.0)  # a twin holds the key in its open transaction
+            if tried.claimed:
+                return Claimed(token)
+            if tried.state is not None and not _free(tried, fingerprint, now):
+                return judge(tried, fingerprint, now)
+            insert_first = False  # a record to take over, or one committed after our snapshot
+        elif wait is not None and self.waiting is not None:
             insert, again, reclaim = self.waiting
             row["b_wait"] = lock_wait(wait)
         for _ in range(_ATTEMPTS):
-            if (yield insert, row):
+            if insert_first and (yield insert, row):
                 return Claimed(token)
+            insert_first = True
             insert = again  # lock_timeout is saved once, and stays set until a claim restores it
             if (yield reclaim, params):
                 return Claimed(token)
@@ -154,6 +171,15 @@ class KeyStatements:
             "b_body": response.body,
             "b_expires_at": expires_at,
         }
+
+
+def _free(row: Any, fingerprint: str, now: datetime) -> bool:
+    """A record the reclaim UPDATE may take: expired, or a lapsed claim of this request."""
+    if row.state != IN_FLIGHT:
+        expires = aware(row.expires_at)
+        return expires is not None and expires <= now
+    until = aware(row.locked_until)
+    return until is not None and until <= now and row.fingerprint == fingerprint
 
 
 def judge(row: Any, fingerprint: str, now: datetime) -> ClaimResult:
@@ -202,6 +228,41 @@ def _waiting_claim(
     )
     restore: Any = literal_column(_RESTORE)
     return first, insert.returning(restore), reclaim.returning(restore)
+
+
+CLAIM_LOCK = "http.claim"
+"""The advisory-lock class of a transactional claim (db.locks: namespaced by the table)."""
+
+
+def _trying_claim(table: Any) -> Executable:
+    """PostgreSQL's claim inside the request's transaction when a twin must not be waited
+    for, in one round trip: ``pg_try_advisory_xact_lock`` on the key (held to the end of the
+    transaction, like the claim's row lock), the INSERT under it, and the record a finished
+    request left, read in the same statement. Not lock_timeout: a 1 ms lock_timeout also
+    fires on locks that are not a twin's (the table's extension lock under load), which
+    answered 409 in-flight to fresh keys. A record committed after the statement's snapshot
+    is not read here (``state`` NULL, nothing claimed): the caller reads it next."""
+    columns = ("scope", "key", "fingerprint", "state", "token", "locked_until", "created_at")
+    quote = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+    name = quote.format_table(table)
+    listed = ", ".join(quote.quote(c) for c in columns)
+    values = ", ".join(f":{c}" for c in columns)
+    scope, key = quote.quote("scope"), quote.quote("key")
+    read = ("fingerprint", "state", "locked_until", "status", "headers", "body", "expires_at")
+    space = SPACE_SQL.replace(":lock_purpose", f"'{CLAIM_LOCK}'").replace(
+        ":lock_table", "'" + name.replace("'", "''") + "'"
+    )
+    statement = text(
+        "WITH lk AS MATERIALIZED (SELECT pg_try_advisory_xact_lock("
+        f"{space}, hashtext(CAST(:scope AS text) || chr(10) || CAST(:key AS text))) AS got), "
+        f"ins AS (INSERT INTO {name} ({listed}) SELECT {values} FROM lk WHERE lk.got "
+        f"ON CONFLICT ({scope}, {key}) DO NOTHING RETURNING {key}) "
+        "SELECT lk.got, EXISTS (SELECT 1 FROM ins) AS claimed, "
+        + ", ".join(f"r.{quote.quote(c)}" for c in read)
+        + f" FROM lk LEFT JOIN {name} AS r ON lk.got AND r.{scope} = :scope AND r.{key} = :key"
+    )
+    typed = [table.c[c] for c in read]
+    return statement.columns(literal_column("got"), literal_column("claimed"), *typed)
 
 
 def lock_wait(wait: timedelta) -> str:

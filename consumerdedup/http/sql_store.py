@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from ..db import dialects, sqlite
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ConsumerDedupError
 from ..schema import DEFAULT, Tables, utcnow
 from .sql_statements import KeyStatements, Step, lock_wait
 from .store import ClaimResult
@@ -117,24 +117,69 @@ class SqlStore:
         wait: timedelta,
         lease: timedelta | None = None,
     ) -> ClaimResult:
-        conn = session.connection()
-        if conn.dialect.name == "sqlite":
-            _begin_waiting(conn, wait)
-        else:
-            _begin(conn)
-        pg_wait = wait if conn.dialect.name == "postgresql" else None
-        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease, pg_wait)
-        return _drive_sync(conn, steps)
+        return _claim_in(
+            self.statements, self.clock(), session, scope, key, fingerprint, wait, lease
+        )
 
     def complete_in(
-        self, session: Session, scope: str, key: str, response: StoredResponse, expiry: timedelta
+        self,
+        session: Session,
+        scope: str,
+        key: str,
+        response: StoredResponse,
+        expiry: timedelta,
+        token: str | None = None,
     ) -> None:
-        params = self.statements.finish_params(scope, key, response, self.clock() + expiry)
-        if session.execute(self.statements.complete_in, params).rowcount != 1:  # type: ignore[attr-defined]
-            raise ConfigurationError(
-                f"{WHAT}: the claimed record vanished inside its own transaction "
-                "(another writer deleted it); nothing is committed"
-            )
+        _complete_in(self.statements, self.clock(), session, scope, key, response, expiry, token)
+
+
+class ClaimLost(ConsumerDedupError):
+    """Transactional mode: the request's transaction no longer holds its claim (the endpoint
+    rolled the session back, which ended the transaction the claim lived in; a twin may have
+    claimed the key since). Nothing may be stored or committed."""
+
+
+def _claim_in(
+    statements: KeyStatements,
+    now: datetime,
+    session: Session,
+    scope: str,
+    key: str,
+    fingerprint: str,
+    wait: timedelta,
+    lease: timedelta | None,
+) -> ClaimResult:
+    """The transactional claim on a blocking Session (the async store runs it in one
+    run_sync: the connection, the check and the statement in one greenlet switch)."""
+    conn = session.connection()
+    if conn.dialect.name == "sqlite":
+        _begin_waiting(conn, wait)
+    else:
+        _begin(conn)
+    pg_wait = wait if conn.dialect.name == "postgresql" else None
+    return _drive_sync(conn, statements.claim_steps(scope, key, fingerprint, now, lease, pg_wait))
+
+
+def _complete_in(
+    statements: KeyStatements,
+    now: datetime,
+    session: Session,
+    scope: str,
+    key: str,
+    response: StoredResponse,
+    expiry: timedelta,
+    token: str | None,
+) -> None:
+    params = statements.finish_params(scope, key, response, now + expiry)
+    statement = statements.complete_in
+    if token is not None:  # the claim this transaction made, not one a twin made since
+        statement, params = statements.complete, params | {"b_token": token}
+    if session.execute(statement, params).rowcount != 1:  # type: ignore[attr-defined]
+        raise ClaimLost(
+            f"{WHAT}: the request's transaction no longer holds its claim (did the endpoint "
+            "call rollback() on the request's session? that ends the transaction the claim "
+            "lived in, and a twin may have claimed the key since); nothing is committed"
+        )
 
 
 class AsyncSqlStore:
@@ -188,14 +233,9 @@ class AsyncSqlStore:
         wait: timedelta,
         lease: timedelta | None = None,
     ) -> ClaimResult:
-        conn = await session.connection()
-        if conn.dialect.name == "sqlite":
-            await conn.run_sync(_begin_waiting, wait)
-        else:
-            await conn.run_sync(_begin)
-        pg_wait = wait if conn.dialect.name == "postgresql" else None
-        steps = self.statements.claim_steps(scope, key, fingerprint, self.clock(), lease, pg_wait)
-        return await _drive_async(conn, steps)
+        now = self.clock()
+        args = (self.statements, now, scope, key, fingerprint, wait, lease)
+        return await session.run_sync(lambda sync: _claim_in(args[0], now, sync, *args[2:]))
 
     async def complete_in(
         self,
@@ -204,11 +244,15 @@ class AsyncSqlStore:
         key: str,
         response: StoredResponse,
         expiry: timedelta,
+        token: str | None = None,
+        then: Callable[[Session], None] | None = None,
     ) -> None:
-        params = self.statements.finish_params(scope, key, response, self.clock() + expiry)
-        result = await session.execute(self.statements.complete_in, params)
-        if result.rowcount != 1:  # type: ignore[attr-defined]
-            raise ConfigurationError(
-                f"{WHAT}: the claimed record vanished inside its own transaction "
-                "(another writer deleted it); nothing is committed"
-            )
+        """``then(sync_session)`` runs right after, in the same greenlet (the commit)."""
+        now = self.clock()
+
+        def complete(sync: Session) -> None:
+            _complete_in(self.statements, now, sync, scope, key, response, expiry, token)
+            if then is not None:
+                then(sync)
+
+        await session.run_sync(complete)

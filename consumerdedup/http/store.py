@@ -117,10 +117,17 @@ class TransactionalStore(Protocol):
         ...
 
     def complete_in(
-        self, session: Session, scope: str, key: str, response: StoredResponse, expiry: timedelta
+        self,
+        session: Session,
+        scope: str,
+        key: str,
+        response: StoredResponse,
+        expiry: timedelta,
+        token: str | None = None,
     ) -> None:
         """Write the response into the claimed row in ``session``'s transaction; the caller
-        commits."""
+        commits. With the claim's ``token``, raise ClaimLost (sql_store) unless this
+        transaction still holds that claim (the endpoint may have rolled it back)."""
         ...
 
 
@@ -145,4 +152,5 @@ class AsyncTransactionalStore(Protocol):
         key: str,
         response: StoredResponse,
         expiry: timedelta,
+        token: str | None = None,
     ) -> None: ...

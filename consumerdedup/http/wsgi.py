@@ -32,7 +32,7 @@ from . import flow
 from .asgi import SESSION_KEY  # the same key in the WSGI environ as in the ASGI scope
 from .policy import IdempotencyPolicy, RoutePolicy
 from .sql_statements import is_lock_timeout
-from .sql_store import SqlStore
+from .sql_store import ClaimLost, SqlStore
 from .store import Claimed, ClaimResult, InFlight
 from .stored import REPLAYED_HEADER, StoredResponse
 from .transactional import hold_commits
@@ -293,7 +293,7 @@ class _Exchange:
 
     def complete(
         self, scope: str, key: str, token: str, response: StoredResponse, expiry: Any
-    ) -> bool:
+    ) -> bool | flow.ClaimLost:
         assert self.held is not None
         held, self.held = self.held, None
         if not held.policy.transactional:
@@ -306,10 +306,18 @@ class _Exchange:
         store, session = self.owner.sql_store, self.session
         assert store is not None and session is not None
         try:
-            store.complete_in(session, scope, key, response, expiry)
+            store.complete_in(session, scope, key, response, expiry, token)
             assert self.allow_commit is not None
             self.allow_commit()
             session.commit()
+        except ClaimLost:
+            log.error(
+                "idempotency claim lost %s: the endpoint rolled back the request's "
+                "transaction; nothing stored or committed",
+                scope,
+            )
+            self.close_session()
+            return flow.ClaimLost()
         except Exception:
             log.exception("idempotency commit failed for %s", scope)
             self.close_session()
