@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -106,12 +107,13 @@ class ErrorKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential waits, written once on tenacity: ``first``, doubled per failure in a row,
-    at most ``longest``; with ``jitter``, plus a random share of ``first``, so that clients
-    that failed together do not all come back together.
+    """Exponential waits: ``first``, doubled per failure in a row, at most ``longest``; with
+    ``jitter``, plus a random share of ``first`` on top, so that clients that failed together
+    do not all come back together.
 
-    It is a tenacity wait (``tenacity.Retrying(wait=backoff)``), and ``delay(n)`` gives
-    the wait after ``n`` failures in a row to loops that count their own failures.
+    ``delay(n)`` is the wait after ``n`` failures in a row, for the loops that count their
+    own (the pipeline, the relay, the pruner, the runners); the Backoff is also a tenacity
+    wait (``tenacity.Retrying(wait=backoff)``) for the loops tenacity runs.
     """
 
     first: timedelta
@@ -125,19 +127,18 @@ class Backoff:
             )
 
     def __call__(self, state: tenacity.RetryCallState) -> float:
-        return float(self._wait(state))
+        return self.delay(state.attempt_number)
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after ``failures`` failures in a row (1: the first wait)."""
-        state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
-        state.attempt_number = max(1, failures)
-        return self(state)
+        first, longest = self.first.total_seconds(), self.longest.total_seconds()
+        doublings = min(max(failures, 1) - 1, _MAX_DOUBLINGS)
+        wait = min(first * 2.0**doublings, longest)
+        return wait + random.random() * first if self.jitter else wait
 
-    @property
-    def _wait(self) -> tenacity.wait.wait_base:
-        first = self.first.total_seconds()
-        exponential = tenacity.wait_exponential(multiplier=first, max=self.longest.total_seconds())
-        return exponential + tenacity.wait_random(0, first) if self.jitter else exponential
+
+_MAX_DOUBLINGS = 64
+"""Past this many, any first wait above 0 has reached any longest: no float overflows."""
 
 
 @dataclass(frozen=True)

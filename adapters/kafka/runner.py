@@ -11,7 +11,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition  # type: ignore[i
 from aiokafka.errors import IllegalStateError, KafkaError  # type: ignore[import-untyped]
 
 from consumerdedup import MAX_ID_LENGTH, ConfigurationError, Outcome, Result
-from consumerdedup.dedup.driving import AsyncDriver, Handler
+from consumerdedup.dedup.processing import AsyncProcessor, Handler
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 from consumerdedup.reasons import REASON_LIMIT, describe
@@ -65,7 +65,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         before_ack: BeforeAck | None = None,
     ) -> None:
         super().__init__(before_ack=before_ack)
-        self.driver = AsyncDriver(handler)
+        self.processor = AsyncProcessor(handler)
         self.topics = (topics,) if isinstance(topics, str) else tuple(topics)
         if not self.topics or not all(isinstance(t, str) and t for t in self.topics):
             raise ConfigurationError("topics must be a topic name or a non-empty list of them")
@@ -76,7 +76,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         connection.check_bootstrap(bootstrap_servers)
         self.handler = handler
         self.bootstrap_servers = bootstrap_servers
-        self.group_id = group_id or self.driver.consumer
+        self.group_id = group_id or self.processor.consumer
         self.consumer: Any = None
         """The AIOKafkaConsumer while ``run()`` runs."""
         self._epoch = 0  # bumped by each revocation: fetched records from before are stale
@@ -198,7 +198,7 @@ class KafkaConsumerRunner(ConsumerRunner):
     async def _process(self, records: Sequence[Any]) -> list[Result]:
         # A chunk is one partition's records in offset order: nothing commits behind a retry.
         delivered = [to_message(record, self.config) for record in records]
-        return await self.driver.process(delivered, ordered=True)
+        return await self.processor.process(delivered, ordered=True)
 
     async def _dead_letter(
         self, dead_letters: KafkaPublisher, records: Sequence[Any], results: Sequence[Result]
@@ -219,7 +219,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         what is too large); if that is refused too the loss is logged at ERROR (the FAILED
         record is kept). False for a failure that may pass (the broker away, no topic yet)."""
         topic = self.config.dead_letters_of(record.topic)
-        headers = dead_letter_headers(record, reason or "failed", self.driver.consumer)
+        headers = dead_letter_headers(record, reason or "failed", self.processor.consumer)
         where = f"{coordinates(record)} to {topic}"
         # A null value goes as empty: aiokafka refuses a record with neither key nor value.
         value = record.value if isinstance(record.value, bytes) else b""

@@ -14,7 +14,7 @@ from typing import Any
 import pika.exceptions  # type: ignore[import-untyped]
 
 from consumerdedup import ConfigurationError, Message, Outcome
-from consumerdedup.dedup.driving import BlockingDriver, Handler
+from consumerdedup.dedup.processing import BlockingProcessor, Handler
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
 from consumerdedup.reasons import REASON_LIMIT
@@ -63,11 +63,11 @@ class RabbitConsumerRunner(ConsumerRunner):
                 f"queue must be a non-empty str of {MAX_NAME_BYTES} bytes at most"
             )
         self.handler = handler
-        self.driver = BlockingDriver(handler)
+        self.processor = BlockingProcessor(handler)
         self.queue = queue
         self.config = config = config or RabbitConfig()
         self.dead_letter_queue = config.dead_letters_of(queue)
-        consumer = self.driver.consumer
+        consumer = self.processor.consumer
         self.name = config.connection_name or (
             f"consumerdedup:{consumer}:{queue}:{os.getpid()}:{next(_names)}"
         )
@@ -87,7 +87,7 @@ class RabbitConsumerRunner(ConsumerRunner):
         try:
             self._run(until_idle)
         finally:
-            self.driver.close()
+            self.processor.close()
 
     def _run(self, until_idle: bool) -> None:
         failures = 0  # lost connections in a row without progress: the backoff grows with them
@@ -197,7 +197,7 @@ class RabbitConsumerRunner(ConsumerRunner):
 
     def _handle(self, connection: Any, channel: Any, batch: Sequence[Delivery]) -> None:
         converted = [to_message(delivery, self.queue, self.config) for delivery in batch]
-        results = self.driver.process(converted)
+        results = self.processor.process(converted)
         self.committed(results)  # the before_ack hook: a SimulatedCrash leaves all unacked
         retry: list[tuple[Delivery, Message]] = []
         for delivery, (message, _), result in zip(batch, converted, results, strict=True):
@@ -232,7 +232,7 @@ class RabbitConsumerRunner(ConsumerRunner):
         On a channel of its own: a refused publish closes that channel only, so the
         consuming channel keeps its deliveries and can still ack the batch-mates.
         """
-        properties = dead_letter_properties(delivery, reason, self.driver.consumer, self.queue)
+        properties = dead_letter_properties(delivery, reason, self.processor.consumer, self.queue)
         body, refused = delivery.body, list[PublishFailed]()
         for copy_number in range(3):
             if copy_number:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, overload
 
-import tenacity
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from ..db import dialects
-from ..errors import PermanentError
 from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
@@ -28,13 +27,14 @@ from .ops import (
     Rollback,
     handler_code,
 )
-from .pipeline import Batch, Pipeline
-from .settings import DeduplicatorSettings, Observer
+from .pipeline import Delivered, Pipeline
+from .settings import Observer, OutcomeReporter
+from .states import Batch
 
 AsyncHandlerFn = Callable[[Message, AsyncSession], Awaitable[Any]]
 
 
-class AsyncDeduplicator(DeduplicatorSettings):
+class AsyncDeduplicator(OutcomeReporter):
     """Deduplicator for asyncio: ``@dedup.handler`` wraps ``async fn(message, session)``.
 
     ``dead_letter`` may be a plain function or a coroutine function.
@@ -91,7 +91,7 @@ class AsyncDedupHandler:
         require_async(fn)
         self.dedup = dedup
         self.fn = fn
-        self.pipeline: Pipeline = dedup.pipeline(claim_first)
+        self._pipeline: Pipeline = dedup._pipeline(claim_first)
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -110,28 +110,24 @@ class AsyncDedupHandler:
     ) -> list[Result]:
         """One Result per message, in order. ``ordered``: the messages come from an ordered
         source (a Kafka partition): nothing commits behind a message that is to be retried."""
-        batch = self.pipeline.start(messages, ordered)
-        if batch.items:
-            first = await self._attempt(batch)  # the hot path stays outside tenacity
-            if first.pending:
-                replay = self.dedup.replay(first)
+        return await self.process_deliveries(messages, ordered=ordered)
 
-                async def again() -> AttemptReport:
-                    return next(replay, None) or await self._attempt(batch)
-
-                await tenacity.AsyncRetrying(**self.dedup.retrying_options())(again)
-        return [await self._settle(result) for result in self.pipeline.finish(batch)]
-
-    async def refuse(self, message: Message, error: PermanentError) -> Result:
-        """FAILED without reaching the pipeline, for a delivery an adapter cannot use.
-
-        The dead-letter hook, the counters and the log are told as for any FAILED.
-        """
-        return await self._settle(Result(message, Outcome.FAILED, error))
+    async def process_deliveries(
+        self, delivered: Sequence[Message | Delivered], *, ordered: bool = False
+    ) -> list[Result]:
+        """``process_batch`` for a runner: each delivery may come with why the runner refuses
+        it (FAILED with that reason, dead-lettered in its place, held back behind a RETRY)."""
+        batch = self._pipeline.start(delivered, ordered)
+        report = AttemptReport(pending=bool(batch.items))
+        while report.pending:  # the pipeline decides each next attempt and its wait
+            if report.wait:
+                await asyncio.sleep(report.wait)
+            report = await self._attempt(batch)
+        return [await self._settle(result) for result in self._pipeline.finish(batch)]
 
     async def _attempt(self, batch: Batch) -> AttemptReport:
         async with self.dedup.session_factory() as session:
-            return await self._drive(self.pipeline.attempt(batch), session)
+            return await self._drive(self._pipeline.attempt(batch), session)
 
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
         reply: Any = None
@@ -186,6 +182,6 @@ class AsyncDedupHandler:
                 if inspect.isawaitable(told):
                     await told
             except Exception as exc:
-                result = self.dedup.dead_letter_failed(result, exc)
-        self.dedup.account(result)
+                result = self.dedup._dead_letter_failed(result, exc)
+        self.dedup._account(result)
         return result

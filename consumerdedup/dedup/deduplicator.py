@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
-import tenacity
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..db import dialects, sqlite
-from ..errors import ConfigurationError, PermanentError
+from ..errors import ConfigurationError
 from ..message import Message
 from ..outcome import Outcome, Result
 from ..reasons import describe
@@ -29,8 +29,9 @@ from .ops import (
     Rollback,
     handler_code,
 )
-from .pipeline import Batch, Pipeline
-from .settings import DeduplicatorSettings, Observer
+from .pipeline import Delivered, Pipeline
+from .settings import Observer, OutcomeReporter
+from .states import Batch
 
 HandlerFn = Callable[[Message, Session], Any]
 _MAY_PASS = (
@@ -43,7 +44,7 @@ _MAY_PASS = (
 """What beginning a transaction may raise for reasons that pass: the retry policy's to judge."""
 
 
-class Deduplicator(DeduplicatorSettings):
+class Deduplicator(OutcomeReporter):
     """Runs handlers effectively once per (consumer, message id) on a blocking engine.
 
     ``@dedup.handler`` wraps ``fn(message, session)``; every write the handler
@@ -101,7 +102,7 @@ class DedupHandler:
         require_blocking(fn)
         self.dedup = dedup
         self.fn = fn
-        self.pipeline: Pipeline = dedup.pipeline(claim_first)
+        self._pipeline: Pipeline = dedup._pipeline(claim_first)
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -118,28 +119,24 @@ class DedupHandler:
     def process_batch(self, messages: Sequence[Message], *, ordered: bool = False) -> list[Result]:
         """One Result per message, in order. ``ordered``: the messages come from an ordered
         source (a Kafka partition): nothing commits behind a message that is to be retried."""
-        batch = self.pipeline.start(messages, ordered)
-        if batch.items:
-            first = self._attempt(batch)  # the hot path stays outside tenacity
-            if first.pending:
-                replay = self.dedup.replay(first)
+        return self.process_deliveries(messages, ordered=ordered)
 
-                def again() -> AttemptReport:
-                    return next(replay, None) or self._attempt(batch)
-
-                tenacity.Retrying(**self.dedup.retrying_options())(again)
-        return [self._settle(result) for result in self.pipeline.finish(batch)]
-
-    def refuse(self, message: Message, error: PermanentError) -> Result:
-        """FAILED without reaching the pipeline, for a delivery an adapter cannot use.
-
-        The dead-letter hook, the counters and the log are told as for any FAILED.
-        """
-        return self._settle(Result(message, Outcome.FAILED, error))
+    def process_deliveries(
+        self, delivered: Sequence[Message | Delivered], *, ordered: bool = False
+    ) -> list[Result]:
+        """``process_batch`` for a runner: each delivery may come with why the runner refuses
+        it (FAILED with that reason, dead-lettered in its place, held back behind a RETRY)."""
+        batch = self._pipeline.start(delivered, ordered)
+        report = AttemptReport(pending=bool(batch.items))
+        while report.pending:  # the pipeline decides each next attempt and its wait
+            if report.wait:
+                time.sleep(report.wait)
+            report = self._attempt(batch)
+        return [self._settle(result) for result in self._pipeline.finish(batch)]
 
     def _attempt(self, batch: Batch) -> AttemptReport:
         with self.dedup.session_factory() as session:
-            return self._drive(self.pipeline.attempt(batch), session)
+            return self._drive(self._pipeline.attempt(batch), session)
 
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
         reply: Any = None
@@ -187,8 +184,8 @@ class DedupHandler:
             try:
                 self.dedup.dead_letter(result)
             except Exception as exc:
-                result = self.dedup.dead_letter_failed(result, exc)
-        self.dedup.account(result)
+                result = self.dedup._dead_letter_failed(result, exc)
+        self.dedup._account(result)
         return result
 
 

@@ -72,8 +72,9 @@ class Rollback:
 class AttemptReport:
     pending: bool
     """Some messages are still undecided: attempt again."""
-    backoff: bool
-    """Wait before that attempt: not when it only redoes a span's innocent part or halves it."""
+    wait: float = 0.0
+    """Seconds to wait before that attempt (the policy's backoff); 0 when it only redoes a
+    span's innocent part or halves it."""
 
 
 Op = Execute | CallHandler | Commit | Rollback

@@ -1,11 +1,13 @@
-"""What the blocking and asyncio deduplicators share: settings, retries, bookkeeping."""
+"""What both deduplicators are besides their engine: a consumer's settings and its reporting.
+
+The retry loop is not here: the pipeline decides each next attempt and its wait
+(``AttemptReport``), and each deduplicator runs that loop in a few plain lines.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
-
-import tenacity
 
 from ..errors import ConfigurationError, InvalidMessage, PermanentError
 from ..message import validate_id
@@ -14,7 +16,6 @@ from ..outcome import Outcome, Result
 from ..reasons import describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
-from .ops import AttemptReport
 from .pipeline import Pipeline
 from .statements import Statements
 
@@ -25,8 +26,10 @@ class DeadLetterFailed(PermanentError):
     """The dead-letter callback raised: the message is left for redelivery instead of acked."""
 
 
-class DeduplicatorSettings:
-    """Consumer name, tables, retry policy and the hooks told about every outcome."""
+class OutcomeReporter:
+    """A consumer's name, tables and retry policy; the pipelines it runs; and the report of
+    every final Result: to the dead-letter hook (FAILED), the counters, the log and the
+    observers. The base of Deduplicator and AsyncDeduplicator, which add the engine."""
 
     def __init__(
         self,
@@ -50,42 +53,19 @@ class DeduplicatorSettings:
         self.observers = tuple(observers)
         self.counts = OutcomeCounts()
         self._statements = Statements(tables, dialect)
-        self._backoff = self.retry.backoff()
 
-    def pipeline(self, claim_first: bool) -> Pipeline:
+    def _pipeline(self, claim_first: bool) -> Pipeline:
         return Pipeline(self._statements, self.consumer, self.retry, claim_first)
 
-    @staticmethod
-    def replay(first: AttemptReport) -> Iterator[AttemptReport]:
-        """Hand tenacity the first attempt's report as its attempt 1, so its wait applies.
-
-        The first attempt runs outside tenacity, which costs a measurable share
-        of a one-message transaction; only a batch with undecided items enters it.
-        """
-        return iter([first])
-
-    def retrying_options(self) -> dict[str, Any]:
-        """Keep attempting while items are undecided; the pipeline bounds the attempts."""
-        return {
-            "stop": tenacity.stop_never,
-            "wait": self._wait,
-            "retry": tenacity.retry_if_result(lambda report: report.pending),
-            "reraise": True,
-        }
-
-    def _wait(self, state: tenacity.RetryCallState) -> float:
-        assert state.outcome is not None
-        report: AttemptReport = state.outcome.result()
-        return float(self._backoff(state)) if report.backoff else 0.0
-
-    def dead_letter_failed(self, result: Result, exc: Exception) -> Result:
+    def _dead_letter_failed(self, result: Result, exc: Exception) -> Result:
+        """The dead-letter hook raised for ``result``: RETRY instead, so it is not acked."""
         error = DeadLetterFailed(
             f"dead-letter callback raised {describe(exc)} for: {result.reason}"
         )
         error.__cause__ = exc
         return Result(result.message, Outcome.RETRY, error, result.attempts)
 
-    def account(self, result: Result) -> None:
+    def _account(self, result: Result) -> None:
         self.counts.add(result.outcome)
         log_result(self.consumer, result)
         for observer in self.observers:

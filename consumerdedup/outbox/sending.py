@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from ..errors import ConfigurationError
+from ..event_loop import OwnLoop, loop_running
 from .publisher import AsyncPublisher, Publisher
 
 T = TypeVar("T")
@@ -28,12 +28,12 @@ class Sender:
             publisher = _adopted(publisher)
         self.publisher = publisher
         self.is_async = isinstance(publisher, AsyncPublisher)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = OwnLoop()
         self._entered = False
 
     def check_thread(self) -> None:
         """ConfigurationError if an AsyncPublisher would have to run inside a running loop."""
-        if self.is_async and _loop_running():
+        if self.is_async and loop_running():
             raise ConfigurationError(
                 "OutboxRelay blocks: from asyncio code run it in a thread "
                 "(await asyncio.to_thread(relay.run_once), or relay.run)"
@@ -77,27 +77,11 @@ class Sender:
             else:
                 publisher.__exit__(None, None, None)
         finally:
-            if self._loop is not None:
-                self._loop.close()
-                self._loop = None
+            self._loop.close()
 
     def _await(self, awaitable: Awaitable[T]) -> T:
         self.check_thread()
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(_coroutine(awaitable))
-
-
-async def _coroutine(awaitable: Awaitable[T]) -> T:
-    return await awaitable
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+        return self._loop.run(awaitable)
 
 
 class _BlockingOnly(Publisher):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, overload
 
-from ..dedup.driving import BlockingDriver, Handler
+from ..dedup.processing import BlockingProcessor, Handler
 from ..lifecycle import BeforeAck, ConsumerRunner
 from ..outcome import Outcome, Result
 from .memory_broker import Delivery, MemoryBroker

@@ -3,7 +3,7 @@
 The README: a transient error is "retried in process with exponential backoff and
 jitter", each wait ``initial_delay * 2**(n-1)`` capped at ``max_delay``, plus a random
 share of ``initial_delay``. The handler stamps the time of each call and asks to be
-retried; the gaps between calls are the waits. tenacity's random source is replaced by
+retried; the gaps between calls are the waits. Backoff's random source is replaced by
 a fixed one so that the bounds are exact: no jitter for the growth and the cap, the
 largest jitter to see that it is added at all. Sleeps are never shorter than asked, so
 the lower bounds are strict; the upper bounds leave SLACK for a busy machine.
@@ -19,8 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import tenacity.wait
 
+import consumerdedup.retry
 from consumerdedup import (
     AsyncDeduplicator,
     Deduplicator,
@@ -37,7 +37,7 @@ SLACK = 1.0
 
 
 class FixedRandom:
-    """Stands in for the ``random`` module tenacity's wait_random draws from."""
+    """Stands in for the ``random`` module Backoff draws its jitter from."""
 
     def __init__(self, value: float) -> None:
         self.value = value
@@ -50,7 +50,7 @@ class FixedRandom:
 
 def jitter(monkeypatch: pytest.MonkeyPatch, value: float) -> FixedRandom:
     fixed = FixedRandom(value)
-    monkeypatch.setattr(tenacity.wait, "random", fixed)
+    monkeypatch.setattr(consumerdedup.retry, "random", fixed)
     return fixed
 
 
@@ -117,7 +117,7 @@ def test_the_wait_doubles_from_initial_delay_and_stops_at_max_delay(
 def test_a_random_share_of_initial_delay_is_added_to_every_wait(
     sqlite_db: Database, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    most = jitter(monkeypatch, 1.0)  # the largest jitter tenacity can draw
+    most = jitter(monkeypatch, 1.0)  # the largest jitter Backoff can draw
     policy = RetryPolicy(
         attempts=4, initial_delay=timedelta(milliseconds=300), max_delay=timedelta(seconds=0.3)
     )
@@ -132,16 +132,16 @@ def test_a_random_share_of_initial_delay_is_added_to_every_wait(
 def test_jitter_varies_between_waits(
     sqlite_db: Database, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With tenacity's own random source: each wait draws its own share."""
+    """With the real random source: each wait draws its own share."""
     drawn: list[float] = []
-    real: Callable[[], float] = tenacity.wait.random.random
+    real: Callable[[], float] = consumerdedup.retry.random.random
 
     class Recording:
         def random(self) -> float:
             drawn.append(real())
             return drawn[-1]
 
-    monkeypatch.setattr(tenacity.wait, "random", Recording())
+    monkeypatch.setattr(consumerdedup.retry, "random", Recording())
     policy = RetryPolicy(
         attempts=5, initial_delay=timedelta(milliseconds=20), max_delay=timedelta(milliseconds=20)
     )

@@ -301,17 +301,18 @@ def handle_of(
 
 
 def drive(flavor: Any, handle: Any, delivered: list[tuple[Message, str | None]]) -> list[Result]:
-    """The runners' way in: the blocking driver for a blocking handler, the asyncio one for
-    an asyncio handler; ordered, as the Kafka runner calls it for a partition's chunk."""
-    from consumerdedup.dedup.driving import AsyncDriver, BlockingDriver
+    """The runners' way in: the blocking processor for a blocking handler, the asyncio one
+    for an asyncio handler; ordered, as the Kafka runner calls it for a partition's chunk."""
+    from consumerdedup.dedup.processing import AsyncProcessor, BlockingProcessor
 
     if flavor.name == "sync":
-        driver = BlockingDriver(handle)
+        processor = BlockingProcessor(handle)
         try:
-            return driver.process(delivered, ordered=True)
+            return processor.process(delivered, ordered=True)
         finally:
-            driver.close()
-    return flavor.loop.run_until_complete(AsyncDriver(handle).process(delivered, ordered=True))  # type: ignore[no-any-return]
+            processor.close()
+    processing = AsyncProcessor(handle).process(delivered, ordered=True)
+    return flavor.loop.run_until_complete(processing)  # type: ignore[no-any-return]
 
 
 def test_a_refused_delivery_behind_a_retry_is_held_back_not_dead_lettered_again(

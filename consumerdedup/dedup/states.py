@@ -1,0 +1,211 @@
+"""Where each message of a batch stands in the pipeline, and the one table of failure rules.
+
+An item (one distinct key of a batch) is in exactly one state::
+
+    NEW ──────────┬──> DECIDED        (committed, found recorded, or given up: its Result)
+      │           │
+      ├─> ALONE ──┤                   (its own failure seen: it runs in a transaction alone)
+      │           │
+      └─> FAILING ┘                   (failed for good: its FAILED record is to be written)
+
+A refused delivery (the runner's reason, or an id that cannot be a key) is no
+item: it is decided FAILED when the batch starts, with nothing recorded.
+
+When an attempt fails, the item charged with the failure takes one more try
+and moves by this table (``ON_FAILURE``); the claim-first and check-first modes
+and an ordered source follow the same rules::
+
+    error kind   its state    attempts left   attempts used up
+    PERMANENT    running      FAILING         FAILING
+    UNKNOWN      running      AGAIN           FAILING
+    TRANSIENT    running      AGAIN           RETRY
+    PERMANENT    FAILING      AGAIN           UNRECORDED
+    UNKNOWN      FAILING      AGAIN           UNRECORDED
+    TRANSIENT    FAILING      AGAIN           RETRY
+
+"running" is NEW or ALONE; AGAIN keeps the state (NEW becomes ALONE when the
+failure was its own); UNRECORDED decides FAILED although the record could not
+be written (logged at ERROR), so that even a failure that cannot be stored ends.
+Around the table, the pipeline (pipeline.py) adds the rules that are the
+batch's: a failure with no culprit halves the span, one outage costs one
+message's attempts (``Batch.spent``), and on an ordered source everything
+behind the first RETRY is RETRY too (HeldBack).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..errors import HeldBack, PayloadMismatch, RetryLater
+from ..message import Message, payload_hash
+from ..outcome import Outcome, Result
+from ..retry import ErrorKind
+
+
+class State(enum.Enum):
+    NEW = "new"
+    """Not tried yet, or tried with the span and to be tried again with it."""
+    ALONE = "alone"
+    """Its own handler or statement failed: it runs alone, after what precedes it."""
+    FAILING = "failing"
+    """Failed for good: its FAILED record is written in the next transaction, no handler run."""
+    DECIDED = "decided"
+    """Its Result is known (``Item.result``)."""
+
+
+class Next(enum.Enum):
+    """Where a failed try takes an item (see the table above)."""
+
+    AGAIN = "again"
+    FAILING = "failing"
+    RETRY = "retry"
+    UNRECORDED = "unrecorded"
+
+
+ON_FAILURE: dict[tuple[ErrorKind, bool], tuple[Next, Next]] = {
+    # (error kind, the item is FAILING): (attempts left, attempts used up)
+    (ErrorKind.PERMANENT, False): (Next.FAILING, Next.FAILING),
+    (ErrorKind.UNKNOWN, False): (Next.AGAIN, Next.FAILING),
+    (ErrorKind.TRANSIENT, False): (Next.AGAIN, Next.RETRY),
+    (ErrorKind.PERMANENT, True): (Next.AGAIN, Next.UNRECORDED),
+    (ErrorKind.UNKNOWN, True): (Next.AGAIN, Next.UNRECORDED),
+    (ErrorKind.TRANSIENT, True): (Next.AGAIN, Next.RETRY),
+}
+
+
+def next_after(kind: ErrorKind, failing: bool, exhausted: bool) -> Next:
+    """The table, read: where one more failed try of this kind takes an item."""
+    return ON_FAILURE[kind, failing][exhausted]
+
+
+@dataclass(eq=False)
+class Item:
+    """One distinct key of a batch and where it stands."""
+
+    message: Message
+    key: str
+    hash: str
+    state: State = State.NEW
+    attempts: int = 0
+    """Failed tries charged to it so far."""
+    failure: BaseException | None = None
+    """FAILING: the permanent failure its record will carry."""
+    result: Result | None = None
+    """DECIDED: its Result."""
+    followers: list[Item] = field(default_factory=list)
+    """Later copies of its key in the batch: they take its fate."""
+
+    def decide(self, outcome: Outcome, error: BaseException | None = None) -> None:
+        tries = self.attempts + (1 if outcome is Outcome.PROCESSED else 0)
+        self.result = Result(self.message, outcome, error, max(tries, 1))
+        self.state = State.DECIDED
+
+    def fail(self, error: BaseException) -> None:
+        self.failure = error
+        self.state = State.FAILING
+
+    @property
+    def outcome(self) -> Outcome | None:
+        return None if self.result is None else self.result.outcome
+
+
+@dataclass(eq=False)
+class Batch:
+    """One call's messages: a slot per message, an item per distinct key."""
+
+    slots: list[Result | Item]
+    """A refused delivery's Result (decided at the start), or the item of its key."""
+    items: list[Item]
+    ordered: bool = False
+    """An ordered source: nothing commits behind a message that is to be retried."""
+    limit: int | None = None
+    """At most this many items in the next transaction: halved while a failure names no culprit."""
+    rounds: int = 0
+    """Attempts so far: past ``round_budget``, whatever is undecided ends RETRY."""
+    spent: dict[str, str] = field(default_factory=dict)
+    """Per transient failure (its ``signature``), the key whose attempts it used up: the
+    same failure again in this batch ends what remains RETRY at once, so one outage costs
+    one message's attempts, not every message's in turn. Another failure (one message
+    type's missing table, after another's timeout) is not that outage: it is tried as any,
+    or one message's fault would keep the healthy messages behind it untried for good."""
+
+    def undecided(self) -> list[Item]:
+        return [item for item in self.items if item.state is not State.DECIDED]
+
+    def over_budget(self, attempts: int) -> bool:
+        """Past the budget: end whatever is undecided RETRY, come what may."""
+        if self.rounds < round_budget(len(self.items), attempts):
+            return False
+        for item in self.undecided():
+            item.decide(Outcome.RETRY, RetryLater(f"undecided after {self.rounds} attempts"))
+        return True
+
+    def hold_back(self) -> None:
+        """On an ordered source, everything behind a message to retry is retried with it."""
+        retried = [i for i, item in enumerate(self.items) if item.outcome is Outcome.RETRY]
+        if not retried:
+            return
+        ahead = self.items[retried[0]]
+        for item in self.items[retried[0] + 1 :]:
+            if item.state is not State.DECIDED:
+                item.decide(Outcome.RETRY, HeldBack(f"behind {ahead.key!r}, which is retried"))
+
+    def results(self) -> list[Result]:
+        """One Result per delivery, in the order given; followers take their leader's fate.
+
+        Ordered: a FAILED behind the first RETRY is RETRY too (a refused delivery, an
+        unusable id, a RecordedFailure or PayloadMismatch the lookup found, a copy whose
+        payload differs from its leader's), or it would be dead-lettered again each time
+        it is read again. None of them committed anything here: a record commits only
+        after every item before it is decided, so no recorded failure stands behind a RETRY.
+        """
+        results: list[Result] = []
+        ahead: Message | None = None
+        for slot in self.slots:
+            if isinstance(slot, Result):
+                result = slot
+            else:
+                assert slot.result is not None, "results() before every item was decided"
+                result = slot.result
+                for follower in slot.followers:
+                    follower.result = _follow(result, follower)
+            if self.ordered and ahead is not None and result.outcome is Outcome.FAILED:
+                why = HeldBack(f"behind {ahead.id!r}, which is retried")
+                result = Result(result.message, Outcome.RETRY, why)
+            results.append(result)
+            if ahead is None and result.outcome is Outcome.RETRY:
+                ahead = result.message
+        return results
+
+
+def _follow(leader: Result, follower: Item) -> Result:
+    first = leader.message
+    if follower.hash != payload_hash(first.body):
+        mismatch = PayloadMismatch(follower.key, payload_hash(first.body), follower.hash)
+        return Result(follower.message, Outcome.FAILED, mismatch)
+    if leader.outcome in (Outcome.PROCESSED, Outcome.DUPLICATE):
+        return Result(follower.message, Outcome.DUPLICATE)
+    return Result(follower.message, leader.outcome, leader.error, leader.attempts)
+
+
+ROUNDS_BEYOND_ATTEMPTS = 3
+"""Per item, the attempts it may cost without being charged a try: the one where the
+items before it commit without it (its handler failed), the one that writes its FAILED
+record, and one redone because a twin committed its key in between."""
+ROUNDS_PER_SIZE_BIT = 2
+"""Per bit of the batch's size, for a failure that names no culprit: the span halves
+down to one item (one attempt per halving), then doubles back after each commit."""
+SLACK_ROUNDS = 16
+"""So that a small batch survives a few more twin races than the above counts."""
+
+
+def round_budget(items: int, attempts: int) -> int:
+    """At most this many attempts for a batch of ``items`` keys under ``attempts`` tries.
+
+    Every attempt decides, charges, halves or redoes something (see the constants), so
+    the rules decide a batch well within it; the budget bounds what they might not
+    foresee (a database that answers neither a claim nor a lookup), for invariant 3.
+    """
+    per_item = attempts + ROUNDS_BEYOND_ATTEMPTS + ROUNDS_PER_SIZE_BIT * items.bit_length()
+    return items * per_item + SLACK_ROUNDS
