@@ -1,10 +1,11 @@
 """The runner contract, one scenario per sentence, for every broker adapter.
 
 An adapter's test module subclasses ``RunnerContract`` and provides a
-``harness`` fixture: a small object that publishes to, consumes from and
-inspects its broker. What an adapter cannot promise it declares in
-``Capabilities``; the suite then checks the weaker promise instead of skipping.
-The sentences are in consumerdedup/lifecycle.py.
+``harness`` fixture: a ``RunnerHarness`` (tests/contracts/harness.py) of its
+broker, which adds the few probes that publish to and inspect it. What an
+adapter cannot promise it declares in ``Capabilities``; the suite then checks
+the weaker promise instead of skipping. The sentences are in
+consumerdedup/lifecycle.py.
 """
 
 from __future__ import annotations
@@ -13,116 +14,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
 
-from consumerdedup import (
-    AsyncDedupHandler,
-    AsyncDeduplicator,
-    DedupHandler,
-    Deduplicator,
-    Message,
-    PermanentError,
-    Result,
-    RetryLater,
-    RetryPolicy,
-    SimulatedCrash,
-)
-from tests.support.flavors import Behavior
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What really differs between brokers; the suite checks the weaker promise where one
-    cannot keep the stronger."""
-
-    ordered: bool = True
-    """Messages of one partition (or queue, with one consumer) are handled in publish order."""
-    batches: bool = True
-    """The runner can handle several messages per transaction."""
-    retry_keeps_order: bool = False
-    """A message to retry holds back the ones behind it, which come again after it (Kafka
-    re-reads the partition from it). Elsewhere they may overtake it (RabbitMQ requeues it
-    behind what was prefetched; the memory broker's batch-mates are acked)."""
-
-
-QUICK_RETRY = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
-
-
-def ledger_handler(
-    db: Any,
-    behavior: Behavior,
-    told: list[Result],
-    *,
-    asyncio: bool,
-    async_engine: AsyncEngine | None = None,
-) -> DedupHandler | AsyncDedupHandler:
-    """The scenarios' handler, of a Deduplicator or of an AsyncDeduplicator (on
-    ``async_engine``, else on an engine without a pool, which no event loop owns)."""
-    if not asyncio:
-        dedup = Deduplicator(
-            db.engine,
-            consumer="ledger",
-            tables=db.tables,
-            retry=QUICK_RETRY,
-            dead_letter=told.append,
-        )
-
-        @dedup.handler
-        def handle(message: Message, session: Any) -> None:
-            for sql, params in behavior(message):
-                session.execute(text(sql), params)
-
-        return handle
-    engine = async_engine or create_async_engine(db.async_url, poolclass=NullPool)
-    async_dedup = AsyncDeduplicator(
-        engine, consumer="ledger", tables=db.tables, retry=QUICK_RETRY, dead_letter=told.append
-    )
-
-    @async_dedup.handler
-    async def handle_async(message: Message, session: Any) -> None:
-        for sql, params in behavior(message):
-            await session.execute(text(sql), params)
-
-    return handle_async
-
-
-class Harness(Protocol):
-    capabilities: Capabilities
-    db: Any
-    told: list[Result]
-    """What the deduplicator's dead-letter hook was told, in order."""
-
-    def publish(self, message_id: str | None, body: bytes) -> None:
-        """Publish one message with ``message_id`` carried the broker's usual way."""
-
-    def consume(
-        self,
-        behavior: Behavior,
-        *,
-        batch_size: int = 1,
-        crash_after_commit: bool = False,
-        asyncio: bool | None = None,
-    ) -> None:
-        """Run a fresh runner until the source is drained; a crash raises SimulatedCrash.
-        ``asyncio``: an AsyncDeduplicator's handler (True) or a Deduplicator's (False);
-        None: the kind the broker's example uses."""
-
-    def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
-        """Run a fresh runner in the background; returns a function that stops it and waits."""
-
-    def held(self) -> int:
-        """How many messages the broker still holds for the source (ready plus unacked)."""
-
-    def dead_letters(self) -> list[tuple[str | None, str]]:
-        """(message id, reason) of each dead-lettered message, in order."""
+from consumerdedup import Message, PermanentError, RetryLater, SimulatedCrash
+from tests.contracts.harness import RunnerHarness as Harness
 
 
 def body(amount: int = 1, **controls: Any) -> bytes:

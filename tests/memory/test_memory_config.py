@@ -114,5 +114,5 @@ def test_the_old_call_form_still_works_with_a_deprecation_warning(sqlite_db: Dat
     assert broker.held("payments") == 0
 
     with pytest.warns(DeprecationWarning):
-        runner = MemoryConsumerRunner(broker=broker, source="payments", handler=handle)
-    assert runner.config.batch_size == 1 and runner.config.retry_delay == 50 * MS
+        by_name = MemoryConsumerRunner(broker=broker, source="payments", handler=handle)
+    assert by_name.config.batch_size == 1 and by_name.config.retry_delay == 50 * MS
