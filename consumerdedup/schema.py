@@ -90,6 +90,8 @@ class Tables:
             args = [repr(pe.fullname), repr(ob.fullname)]
         if self.idempotency_keys.fullname != f"{schema}idempotency_keys":
             args.append(f"idempotency_keys={self.idempotency_keys.fullname!r}")
+        if self.version_table.fullname != f"{schema}{VERSION_TABLE}":
+            args.append(f"version_table={self.version_table.fullname!r}")
         if self.partitioned:
             args.append("partitioned=True")
         return f"Tables.define({', '.join(args)})"

@@ -59,3 +59,5 @@ def test_tables_show_the_define_call_that_names_them() -> None:
     assert repr(custom) == "Tables.define('app.events', 'app.outbox', partitioned=True)"
     keys = Tables.define(idempotency_keys="http.keys")
     assert repr(keys) == "Tables.define(idempotency_keys='http.keys')"
+    versions = Tables.define("app.events", "app.outbox", version_table="app.v")
+    assert repr(versions) == "Tables.define('app.events', 'app.outbox', version_table='app.v')"
