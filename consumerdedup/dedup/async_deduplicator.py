@@ -15,7 +15,7 @@ from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .deduplicator import begin_checked
-from .handler_guard import HandlerCall, guard
+from .handler_guard import HandlerCall
 from .handler_kinds import check_awaitable, check_awaited, require_async
 from .ops import (
     Attempt,
@@ -62,11 +62,9 @@ class AsyncDeduplicator(OutcomeReporter):
         self.engine = engine
         self.what = f"AsyncDeduplicator {consumer!r}"
         dialects.require_transactional(engine.sync_engine, self.what)
-        guard(engine.sync_engine)
         bound = getattr(session_factory, "kw", {}).get("bind")  # an async_sessionmaker's engine
         if isinstance(bound, AsyncEngine) and bound is not engine:
             dialects.require_transactional(bound.sync_engine, f"{self.what}'s session_factory")
-            guard(bound.sync_engine)
         self.session_factory = session_factory or async_sessionmaker(engine, expire_on_commit=False)
 
     @overload

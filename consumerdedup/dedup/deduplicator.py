@@ -17,7 +17,7 @@ from ..outcome import Outcome, Result
 from ..reasons import describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
-from .handler_guard import HandlerCall, guard
+from .handler_guard import HandlerCall
 from .handler_kinds import check_returned, require_blocking
 from .ops import (
     Attempt,
@@ -73,11 +73,9 @@ class Deduplicator(OutcomeReporter):
         self.engine = engine
         self.what = f"Deduplicator {consumer!r}"
         dialects.require_transactional(engine, self.what)
-        guard(engine)
         bound = getattr(session_factory, "kw", {}).get("bind")  # a sessionmaker's own engine
         if isinstance(bound, Engine) and bound is not engine:
             dialects.require_transactional(bound, f"{self.what}'s session_factory")
-            guard(bound)
         self.session_factory = session_factory or sessionmaker(engine, expire_on_commit=False)
 
     @overload

@@ -11,32 +11,38 @@ transaction-control SQL are refused while a handler runs, whatever its
 spelling (db.control_sql); after every statement the driver's own transaction
 state is read, so a statement that ended the transaction anyway is caught at
 that statement; everything else is caught when the handler returns and
-reported with the error the handler swallowed. The guard is installed on the
-engine of the connection the handler really uses, whatever engine its
-session was made from. Not refused in advance: the raw DB-API connection's
-own ``commit()``/``rollback()`` (caught at the handler's next statement, or when it
-returns; what such a commit committed stays committed).
+reported with the error the handler swallowed. Not refused in advance: the raw
+DB-API connection's own ``commit()``/``rollback()`` (caught at the handler's
+next statement, or when it returns; what such a commit committed stays
+committed).
+
+Where the guard sits: nowhere but on what one handler call is handed, and only
+for that call. HandlerCall adds SQLAlchemy event listeners to that session
+instance (``before_commit``, ``after_begin``) and to the connection the session
+really uses in the pipeline's transaction (``before_cursor_execute``,
+``after_cursor_execute``, ``commit``), whatever engine the session was made
+from, and removes them when the call ends. Nothing is installed on the Session
+class, on an engine, or on any other session or connection. SQLAlchemy offers
+``handle_error`` only for a whole dialect (every connection of an engine), so
+the error a handler swallowed is taken from the statement's own execution
+context instead (``ExecutionContext.handle_dbapi_exception``, set on that one
+statement's context).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event
-from sqlalchemy.engine import ExceptionContext
-from sqlalchemy.engine.base import OptionEngine
+from sqlalchemy import Connection, event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine.interfaces import ExecutionContext
 from sqlalchemy.orm import Session, SessionTransaction
 
 from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
 from ..reasons import describe
 
-_HANDLER_RUNNING = "consumerdedup.handler_running"
-_LAST_ERROR = "consumerdedup.last_error"
-_ENDED = "consumerdedup.transaction_ended"
-_GUARDED = "_consumerdedup_guarded"
-_SECOND_CONNECTION = "consumerdedup.second_connection"
-_PIPELINE_TRANSACTION = "consumerdedup.pipeline_transaction"
 _TWO_CONNECTIONS = (
     "the handler's session began a transaction on a second connection (a session with "
     "several binds, or bind_arguments): writes there commit apart from the dedup record, "
@@ -51,112 +57,18 @@ _NO_COMMIT = (
 _COMMITS = ("COMMIT", "END", "COMMIT PREPARED", "PREPARE TRANSACTION")
 
 
-@event.listens_for(Session, "before_commit")
-def _refuse_commit(session: Session) -> None:
-    # A begin_nested() block's RELEASE fires before_commit too: that one is the handler's to make.
-    if session.info.get(_HANDLER_RUNNING) is not None and not session.in_nested_transaction():
-        raise CommitInHandler(f"the handler called session.commit(): {_NO_COMMIT}")
-
-
-@event.listens_for(Session, "after_begin")
-def _refuse_second_connection(
-    session: Session, transaction: SessionTransaction, conn: Connection
-) -> None:
-    # The pipeline's connection began before the handler ran; any other one is a second.
-    running = session.info.get(_HANDLER_RUNNING)
-    if running is None or conn is running:  # a savepoint begins on the same connection
-        return
-    root = transaction
-    while root.parent is not None:
-        root = root.parent
-    # A new transaction after the handler's rollback() is not a second connection of ours:
-    # HandlerCall.verify reports that one (TransactionBroken, the message's own failure).
-    if root is session.info.get(_PIPELINE_TRANSACTION):
-        session.info[_SECOND_CONNECTION] = True
-        raise TransactionBroken(_TWO_CONNECTIONS)
-
-
-def guard(engine: Engine) -> None:
-    """Watch the engine's connections while handlers run on them (once per engine).
-
-    An engine made by ``execution_options()`` shares its parent's listeners: the
-    root engine is the one guarded, so that no statement is checked twice.
-    """
-    while isinstance(engine, OptionEngine):
-        engine = engine._proxied
-    if getattr(engine, _GUARDED, False):
-        return
-    event.listen(engine, "handle_error", _on_error)
-    event.listen(engine, "before_cursor_execute", _before_statement)
-    event.listen(engine, "after_cursor_execute", _after_statement)
-    event.listen(engine, "commit", _on_commit)
-    setattr(engine, _GUARDED, True)
-
-
-def _on_error(context: ExceptionContext) -> None:
-    conn = context.connection
-    if conn is None:
-        return
-    conn.info[_LAST_ERROR] = context.sqlalchemy_exception
-    if conn.info.get(_HANDLER_RUNNING) and not conn.invalidated and _driver_state(conn) == "ended":
-        conn.info[_ENDED] = "the database rolled the transaction back after an error"
-
-
-def _before_statement(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
-    if not conn.info.get(_HANDLER_RUNNING):
-        return
-    ended = conn.info.get(_ENDED)
-    if ended:  # SQLite would run what follows outside any transaction, committing it at once
-        raise TransactionBroken(f"{ended}; the handler went on with more statements: {_ADVICE}")
-    if _idle(conn):
-        # Ended since the last statement we saw: by the raw DB-API connection's commit() or
-        # rollback(). This statement would begin a new transaction that then passes for ours.
-        # (A lost connection is not idle: its statement fails as it would, and is retried.)
-        conn.info[_ENDED] = "the transaction ended outside SQLAlchemy (the raw DB-API connection)"
-        raise TransactionBroken(
-            "the handler ended the transaction through the raw DB-API connection (its commit() "
-            f"or rollback()), then sent another statement: {_NO_COMMIT}; never use the raw "
-            "connection in a handler"
-        )
-    word = transaction_control(statement, conn.dialect.name)
-    if word:
-        conn.info[_ENDED] = f"the handler sent {word}"
-        if word in _COMMITS:
-            raise CommitInHandler(f"the handler sent {word}: {_NO_COMMIT}")
-        raise TransactionBroken(f"the handler sent {word}: the pipeline owns the transaction")
-
-
-def _after_statement(conn: Connection, *_args: Any) -> None:
-    # Whatever got past the text check: the driver says the transaction is over. Later
-    # statements would run outside it (each committing at once), so stop at this one.
-    if conn.info.get(_HANDLER_RUNNING) and _driver_state(conn) == "ended":
-        conn.info[_ENDED] = "a statement of the handler ended the transaction"
-        raise TransactionBroken(
-            "a statement of the handler ended the transaction: the pipeline must commit the "
-            "handler's writes with the dedup record"
-        )
-
-
-def _on_commit(conn: Connection) -> None:
-    if conn.info.get(_HANDLER_RUNNING):
-        conn.info[_ENDED] = "the handler committed the connection"
-        raise CommitInHandler(f"the handler committed the connection: {_NO_COMMIT}")
-
-
 class HandlerCall:
     """Around one handler call: refuse commits during it, then check the transaction.
 
     ``connection`` is the session's connection in this transaction (for an
-    AsyncSession, its ``sync_connection``), taken before the call.
+    AsyncSession, its ``sync_connection``), taken before the call. The listeners
+    go on ``session`` and ``connection`` here and come off in ``finish``.
     """
 
     def __init__(self, session: Session, connection: Connection) -> None:
-        guard(connection.engine)  # the engine this session really uses, not only the one given
         self.session = session
         self.connection = connection
         self.transaction: SessionTransaction | None = session.get_transaction()
-        # The pooled connection's own dict: still reachable if the handler gave it back.
-        self.info = info = connection.info
         # Our claim or lookup has run in this transaction: a driver that does not say it is
         # open now is one whose state we cannot read (a DB-API swapped in through module= or
         # creator=): refused, as every check below would be meaningless on it.
@@ -169,11 +81,26 @@ class HandlerCall:
                 "loads itself (no module=, and no creator= returning a wrapper around the "
                 "connection)"
             )
-        info.pop(_LAST_ERROR, None)
-        info.pop(_ENDED, None)
-        info[_HANDLER_RUNNING] = True
-        session.info[_HANDLER_RUNNING] = connection
-        session.info[_PIPELINE_TRANSACTION] = self.transaction
+        self.ended: str | None = None
+        """Why the transaction is over, once a listener saw it end."""
+        self.swallowed: tuple[BaseException, str, Any, bool] | None = None
+        """The last DB-API error of the handler's statements, with its statement."""
+        self.statement: tuple[str, Any, bool] = ("", None, False)
+        """The handler's last statement: its text, parameters and whether executemany."""
+        self.second_connection = False
+        self._session_events: list[tuple[str, Callable[..., None]]] = [
+            ("before_commit", self._refuse_commit),
+            ("after_begin", self._refuse_second_connection),
+        ]
+        self._connection_events: list[tuple[str, Callable[..., None]]] = [
+            ("before_cursor_execute", self._before_statement),
+            ("after_cursor_execute", self._after_statement),
+            ("commit", self._on_commit),
+        ]
+        for name, fn in self._session_events:
+            event.listen(session, name, fn)
+        for name, fn in self._connection_events:
+            event.listen(connection, name, fn)
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
@@ -181,17 +108,17 @@ class HandlerCall:
         A second connection is a setup fault, whatever the handler made of it:
         ConfigurationError, so that no message is recorded for it.
         """
-        self.session.info.pop(_HANDLER_RUNNING, None)
-        self.session.info.pop(_PIPELINE_TRANSACTION, None)
-        self.info.pop(_HANDLER_RUNNING, None)
-        if self.session.info.pop(_SECOND_CONNECTION, None):
+        for name, fn in self._session_events:
+            event.remove(self.session, name, fn)
+        for name, fn in self._connection_events:
+            event.remove(self.connection, name, fn)
+        if self.second_connection:
             raise ConfigurationError(_TWO_CONNECTIONS)
 
     def verify(self) -> None:
         """Raise TransactionBroken if the handler returned with the transaction unusable."""
-        ended = self.info.pop(_ENDED, None)
-        if ended:
-            raise TransactionBroken(f"{ended}: {_ADVICE}")
+        if self.ended:
+            raise TransactionBroken(f"{self.ended}: {_ADVICE}")
         if self.session.get_transaction() is not self.transaction:
             raise TransactionBroken(
                 "the handler ended the session's transaction (rollback or close): its writes "
@@ -199,7 +126,7 @@ class HandlerCall:
             )
         state = _driver_state(self.connection)
         if state == "aborted" or not self.session.is_active:
-            cause = self.info.get(_LAST_ERROR)
+            cause = self._swallowed_error()
             caught = f" ({describe(cause)})" if cause is not None else ""
             raise TransactionBroken(
                 f"the handler caught a database error and went on{caught}; the transaction "
@@ -211,6 +138,107 @@ class HandlerCall:
                 "the database transaction ended inside the handler: the pipeline must "
                 "commit the handler's writes with the dedup record"
             )
+
+    # Session listeners ------------------------------------------------------------------------
+
+    def _refuse_commit(self, session: Session) -> None:
+        # A begin_nested() block's RELEASE fires before_commit too: that one is the handler's.
+        if not session.in_nested_transaction():
+            raise CommitInHandler(f"the handler called session.commit(): {_NO_COMMIT}")
+
+    def _refuse_second_connection(
+        self, _session: Session, transaction: SessionTransaction, conn: Connection
+    ) -> None:
+        # The pipeline's connection began before the handler ran; any other one is a second.
+        if conn is self.connection:  # a savepoint begins on the same connection
+            return
+        root = transaction
+        while root.parent is not None:
+            root = root.parent
+        # A new transaction after the handler's rollback() is not a second connection of
+        # ours: verify reports that one (TransactionBroken, the message's own failure).
+        if root is self.transaction:
+            self.second_connection = True
+            raise TransactionBroken(_TWO_CONNECTIONS)
+
+    # Connection listeners ---------------------------------------------------------------------
+
+    def _before_statement(
+        self,
+        conn: Connection,
+        _cursor: Any,
+        statement: str,
+        parameters: Any,
+        context: ExecutionContext | None,
+        executemany: bool,
+    ) -> None:
+        if self.ended:  # SQLite would run what follows outside any transaction, committing it
+            raise TransactionBroken(
+                f"{self.ended}; the handler went on with more statements: {_ADVICE}"
+            )
+        if _idle(conn):
+            # Ended since the last statement we saw: by the raw DB-API connection's commit() or
+            # rollback(). This statement would begin a new transaction that then passes for
+            # ours. (A lost connection is not idle: its statement fails as it would, retried.)
+            self.ended = "the transaction ended outside SQLAlchemy (the raw DB-API connection)"
+            raise TransactionBroken(
+                "the handler ended the transaction through the raw DB-API connection (its "
+                f"commit() or rollback()), then sent another statement: {_NO_COMMIT}; never use "
+                "the raw connection in a handler"
+            )
+        word = transaction_control(statement, conn.dialect.name)
+        if word:
+            self.ended = f"the handler sent {word}"
+            if word in _COMMITS:
+                raise CommitInHandler(f"the handler sent {word}: {_NO_COMMIT}")
+            raise TransactionBroken(f"the handler sent {word}: the pipeline owns the transaction")
+        self.statement = (statement, parameters, executemany)
+        if context is not None and "handle_dbapi_exception" not in vars(context):
+            # SQLAlchemy hands a failed statement's DB-API error to its context: this one's
+            # (once: an insertmanyvalues context runs a statement per page).
+            own = context.handle_dbapi_exception
+
+            def failed(error: BaseException) -> None:
+                own(error)
+                self._on_error(conn, error)
+
+            context.handle_dbapi_exception = failed  # type: ignore[method-assign,assignment]
+
+    def _on_error(self, conn: Connection, error: BaseException) -> None:
+        self.swallowed = (error, *self.statement)
+        if not conn.invalidated and _driver_state(conn) == "ended":
+            self.ended = "the database rolled the transaction back after an error"
+
+    def _after_statement(self, conn: Connection, *_args: Any) -> None:
+        # Whatever got past the text check: the driver says the transaction is over. Later
+        # statements would run outside it (each committing at once), so stop at this one.
+        if _driver_state(conn) == "ended":
+            self.ended = "a statement of the handler ended the transaction"
+            raise TransactionBroken(
+                "a statement of the handler ended the transaction: the pipeline must commit the "
+                "handler's writes with the dedup record"
+            )
+
+    def _on_commit(self, _conn: Connection) -> None:
+        self.ended = "the handler committed the connection"
+        raise CommitInHandler(f"the handler committed the connection: {_NO_COMMIT}")
+
+    def _swallowed_error(self) -> BaseException | None:
+        """The DB-API error last met, wrapped as SQLAlchemy raised it to the handler."""
+        if self.swallowed is None:
+            return None
+        error, statement, parameters, executemany = self.swallowed
+        dialect = self.connection.dialect
+        return sa_exc.DBAPIError.instance(
+            statement,
+            parameters,
+            error,
+            dialect.loaded_dbapi.Error,
+            hide_parameters=self.connection.engine.hide_parameters,
+            connection_invalidated=self.connection.invalidated,
+            dialect=dialect,
+            ismulti=executemany,
+        )
 
 
 def _idle(connection: Connection) -> bool:
