@@ -353,7 +353,12 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
                     bind.execute(text(f"DROP INDEX IF EXISTS {_sibling(table, str(index.name))}"))
                 index.create(bind)
     if postgres:
-        _install_trigger(bind, tables)
+        # A newer release recorded its version (a rolling deploy): its trigger stays as it
+        # made it, or the two releases would replace each other's at every start.
+        newer = tables.version_table.fullname in present and any(
+            v > SCHEMA_VERSION for v in _versions(bind, tables).values()
+        )
+        _install_trigger(bind, tables, keep=newer)
     if tables.partitioned:
         partitions = DayPartitions(tables.processed_events)
         default = partitions.qualified(partitions.default_name)
@@ -369,17 +374,20 @@ def _sibling(table: Table, name: str) -> str:
     return f'"{table.schema}"."{name}"' if table.schema else f'"{name}"'
 
 
-def _install_trigger(conn: Connection, tables: Tables) -> None:
-    """The NOTIFY function and trigger, each (re)made only if missing or different."""
+def _install_trigger(conn: Connection, tables: Tables, *, keep: bool = False) -> None:
+    """The NOTIFY function and trigger, each (re)made only if missing or different;
+    with ``keep``, only if missing."""
     trigger_name, function_name = tables.notify_names
     function = catalog.function(conn, tables.outbox.schema, function_name)
+    found = catalog.trigger(conn, tables.outbox, trigger_name)
+    if keep and function is not None and found is not None:
+        return
     if function is None or function[1] != NOTIFY_BODY:
         # Replacing a function locks no table: a trigger that calls it runs the new body.
         with catalog.bounded(conn, tables.outbox, f"replace its function {function_name}()"):
             conn.execute(text(tables.notify_function_sql()))
         function = catalog.function(conn, tables.outbox.schema, function_name)
     assert function is not None
-    found = catalog.trigger(conn, tables.outbox, trigger_name)
     expected = catalog.Trigger(function[0], _AFTER_INSERT_FOR_EACH_STATEMENT, "O", 0, False)
     if found in (expected, replace(expected, enabled="A")):
         return

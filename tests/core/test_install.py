@@ -257,6 +257,28 @@ def test_an_old_function_body_is_replaced_and_the_trigger_kept(
     _assert_notifies(pg_engine, tables)
 
 
+def test_a_newer_releases_trigger_function_is_left_alone(pg_engine: Engine, schema: str) -> None:
+    """Rolling deploy: the newer release installed first; an older instance's install()
+    must not put its own body back (they would replace each other at every start)."""
+    tables = pg_tables(schema)
+    install(pg_engine, tables)
+    vt = tables.version_table
+    with pg_engine.begin() as conn:
+        conn.execute(update(vt).values(version=SCHEMA_VERSION + 1))
+        conn.execute(
+            text(
+                f'CREATE OR REPLACE FUNCTION "{schema}".outbox_notify() RETURNS trigger '
+                "LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_notify('next', ''); RETURN NULL; END $$"
+            )
+        )
+        before = snapshot(conn, schema)
+    with Statements(pg_engine) as statements:
+        install(pg_engine, tables)
+    assert statements.changes() == []
+    with pg_engine.connect() as conn:
+        assert snapshot(conn, schema) == before
+
+
 def test_a_row_level_trigger_of_that_name_is_replaced(pg_engine: Engine, schema: str) -> None:
     tables = pg_tables(schema)
     install(pg_engine, tables)
