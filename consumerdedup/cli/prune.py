@@ -12,27 +12,27 @@ leaves them alone.
 from __future__ import annotations
 
 import argparse
-import importlib
-import logging
 import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 from .. import durations
 from ..errors import ConfigurationError
+from ..prune.config import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PrunerConfig, PrunerSettings
 from ..prune.idempotency import EXPIRY
-from ..prune.pruner import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PruneProgress, Pruner, PruneReport
-from ..prune.windows import BrokerRetention, RetentionUnknown, UnknownConsumer
-from ..reasons import describe
-from .common import CommandError, UsageError, open_database, require_tables
+from ..prune.pruner import Pruner
+from ..prune.report import PruneProgress, PruneReport
+from ..prune.windows import UnknownConsumer
+from .common import UsageError, open_database, require_tables
 from .redact import shown
+from .retention import read_retention
 
 NAME = "prune"
 HELP = "delete dedup records older than retention + buffer, once or --every"
 PROGRESS_EVERY = "5s"
 """Default time between progress lines of a long round."""
+ZERO = timedelta(0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,100 +146,33 @@ def _windows(entries: list[str] | None) -> dict[str, timedelta | None]:
     return windows
 
 
-def _broker_retention(args: argparse.Namespace) -> BrokerRetention | None:
-    if (args.topics and not args.kafka) or (args.queues and not args.rabbitmq):
-        raise UsageError("--topics goes with --kafka, --queues with --rabbitmq")
-    if (args.kafka and not args.topics) or (args.rabbitmq and not args.queues):
-        raise UsageError("--kafka needs --topics A,B and --rabbitmq needs --queues A,B")
-    if not (args.kafka or args.rabbitmq):
-        return None
-    option = "--kafka" if args.kafka else "--rabbitmq"
-    if not args.consumer:  # asked before the broker: the answer could not be used anyway
-        names = ", ".join(n.strip() for n in (args.topics or args.queues).split(","))
-        raise UsageError(
-            f"{option}: the window read applies only to the consumers of {names}; "
-            "name them with --consumer NAME (repeatable)"
-        )
-    if args.rabbitmq:
-        args.secrets.add_url(args.rabbitmq)
-    if not args.verbose:  # the drivers log each failed connection attempt: one line is enough
-        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-        logging.getLogger("pika").setLevel(logging.CRITICAL)
-    # The adapters are optional extras; imported by name (as cmd_demo does) only when asked for.
-    try:
-        if args.kafka:
-            kafka = importlib.import_module("consumerdedup.adapters.kafka.retention")
-            found: BrokerRetention = kafka.kafka_retention(args.kafka, args.topics.split(","))
-        else:
-            rabbit = importlib.import_module("consumerdedup.adapters.rabbitmq.retention")
-            found = rabbit.rabbitmq_retention(args.rabbitmq, args.queues.split(","))
-        return found
-    except RetentionUnknown as error:
-        raise UsageError(f"{error}: pass --retention DURATION instead of {option}") from None
-    except ConfigurationError as error:
-        raise UsageError(str(error)) from None
-    except ImportError as error:
-        raise UsageError(describe(error)) from None
-    except Exception as error:
-        where = args.kafka or _address(args.rabbitmq)
-        raise CommandError(
-            f"cannot read the retention from {where} ({option}): {_text(error)}"
-        ) from error
-
-
-def _address(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.hostname}:{parts.port or 5672}"
-
-
-def _text(error: BaseException) -> str:
-    """``describe``, without the class name twice (aiokafka puts it in its messages)."""
-    text = " ".join(str(error).split())
-    return text if text.startswith(type(error).__name__) else describe(error)
-
-
 def run(args: argparse.Namespace) -> int:
     retention = _duration(args.retention, "--retention")
     buffer = _duration(args.buffer, "--buffer")
     every = _duration(args.every, "--every")
-    off = args.outbox_keep.strip().lower() == "off"
-    outbox_keep = None if off else _duration(args.outbox_keep, "--outbox-keep")
-    idempotency_keep = _idempotency_keep(args.idempotency_keep)
-    windows = _windows(args.window)
-    batch_pause = _duration(args.batch_pause, "--batch-pause") or timedelta(0)
+    settings = _settings(args)
     every_batch = args.progress_every.strip() in ("0", "0s")
     progress = timedelta(0) if every_batch else _duration(args.progress_every, "--progress-every")
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, not {args.batch_size}")
     url, engine, tables = open_database(args)
     require_tables(engine, tables)
-    broker = _broker_retention(args)
+    broker = read_retention(args)
     if broker is not None:
         print(f"retention from {broker.broker}: {broker.describe()}")
         if broker.window is None:
             kept = ", ".join(s.source for s in broker.forever)
             whom = ", ".join(args.consumer)
             print(f"{kept} keep(s) records forever: the records of {whom} are never pruned")
-    consumers = [*args.consumer, *windows] if args.consumer else None
+    if args.consumer:
+        settings["consumers"] = [*args.consumer, *(settings.get("windows") or {})]
     try:
+        config = PrunerConfig(broker or retention, buffer, **settings)
         pruner = Pruner(
-            engine,
-            broker or retention,
-            buffer,
-            windows=windows,
-            consumers=consumers,
-            outbox_keep=outbox_keep,
-            idempotency_keep=idempotency_keep,
-            tables=tables,
-            batch_size=args.batch_size,
-            batch_pause=batch_pause,
-            dry_run=args.dry_run,
-            progress=_progress_printer(progress or timedelta(0)),
+            engine, config=config, tables=tables, progress=_progress_printer(progress or ZERO)
         )
         pruner.check_consumers()
     except (UnknownConsumer, ConfigurationError) as error:
         raise UsageError(str(error)) from None
-    print(f"{shown(url)}: {_plan(pruner, buffer)}", flush=True)
+    print(f"{shown(url)}: {config.describe()}", flush=True)
     pruner.on_signals()
     if every is None:
         _print_report(pruner, pruner.run_once())
@@ -250,23 +183,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(pruner: Pruner, buffer: timedelta | None) -> str:
-    parts = [f"{name} {render(keep)}" for name, keep in pruner.keep.items()]
-    if pruner.consumers is None:
-        others = "other consumers" if parts else "every consumer"
-        parts.append(f"{others} {render(pruner.keep_others)}")
-    outbox = pruner.outbox_keep
-    tail = "outbox left alone" if outbox is None else f"published outbox rows {render(outbox)}"
-    keep = pruner.idempotency_keep
-    if keep is None:
-        tail += "; idempotency keys left alone"
-    elif keep == EXPIRY:
-        tail += "; idempotency keys past their stored expiry"
-    else:
-        assert isinstance(keep, timedelta)
-        tail += f"; idempotency keys past their expiry or older than {render(keep)}"
-    basis = "" if buffer else ", buffer max(1d, 10%)"
-    return f"deleting what is older than retention + buffer{basis}: {', '.join(parts)}; {tail}"
+def _settings(args: argparse.Namespace) -> PrunerSettings:
+    """PrunerConfig's settings from the options, each option's usage error before any connection."""
+    off = args.outbox_keep.strip().lower() == "off"
+    settings: PrunerSettings = {
+        "outbox_keep": None if off else _duration(args.outbox_keep, "--outbox-keep"),
+        "idempotency_keep": _idempotency_keep(args.idempotency_keep),
+        "windows": _windows(args.window),
+        "batch_pause": _duration(args.batch_pause, "--batch-pause") or ZERO,
+        "batch_size": args.batch_size,
+        "dry_run": args.dry_run,
+    }
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, not {args.batch_size}")
+    return settings
 
 
 def _print_report(pruner: Pruner, report: PruneReport) -> None:

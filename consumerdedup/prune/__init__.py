@@ -1,5 +1,6 @@
 """The retention pruner: deletes dedup records no redelivery can need any more."""
 
+from .config import PrunerConfig
 from .pruner import Pruner, PruneReport
 
-__all__ = ["PruneReport", "Pruner"]
+__all__ = ["PruneReport", "Pruner", "PrunerConfig"]

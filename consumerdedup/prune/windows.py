@@ -5,13 +5,17 @@ retention + buffer, where retention is how long the broker can still deliver
 the message again and the buffer covers what the broker's number leaves out
 (clock skew between hosts, a consumer holding a message unacked, a lagging
 consumer, a segment not yet deleted). ``None`` as a window means "kept forever".
+
+The arithmetic of a round is here too: ``Keep`` (each consumer's window plus
+its buffer) and, at a round's ``now``, its ``Cutoffs``; whole partitions go
+only up to the earliest cutoff of all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from .. import durations
 from ..errors import ConfigurationError, ConsumerDedupError
@@ -123,3 +127,69 @@ def scoped(retention: Window, consumers: Iterable[str] | None) -> timedelta | No
 def plain(window: Window) -> timedelta | None:
     """A consumer's own window: a broker's applies to that consumer alone, so it is scoped."""
     return window.window if isinstance(window, BrokerRetention) else window
+
+
+def keep_for(window: timedelta | None, buffer: timedelta | None) -> timedelta | None:
+    """How old a record of that window must be before it goes: window + buffer (None: never)."""
+    return None if window is None else window + (buffer or default_buffer(window))
+
+
+@dataclass(frozen=True)
+class Cutoffs:
+    """One round's cutoffs: a consumer's records older than its cutoff go; None keeps them."""
+
+    named: Mapping[str, datetime | None]
+    """Per consumer named in ``consumers`` or ``windows``."""
+    others: datetime | None
+    """Every other consumer; None: they are not this round's (or are kept forever)."""
+
+    @property
+    def shown(self) -> dict[str, datetime | None]:
+        """As a PruneReport gives them: ``"*"`` for every other consumer, when they are pruned."""
+        return {**self.named, **({"*": self.others} if self.others is not None else {})}
+
+    def whole_partitions(self) -> datetime | None:
+        """Whole partitions may go up to the earliest cutoff, if every consumer has one.
+
+        A partition holds every consumer's rows: one consumer whose records are
+        not this round's to delete (``consumers=`` restricts it, so ``others`` is
+        None) or kept forever keeps every partition.
+        """
+        if self.others is None or any(c is None for c in self.named.values()):
+            return None
+        return min([self.others, *(c for c in self.named.values() if c is not None)])
+
+
+@dataclass(frozen=True)
+class Keep:
+    """How old a record must be before it goes, per consumer: its window plus the buffer."""
+
+    named: Mapping[str, timedelta | None]
+    """Per consumer named (sorted); None: kept forever."""
+    others: timedelta | None
+    """Every consumer not named; None: not pruned (``consumers=`` given, or no common window)."""
+
+    @classmethod
+    def of(
+        cls,
+        common: timedelta | None,
+        buffer: timedelta | None,
+        own: Mapping[str, timedelta | None],
+        selected: Sequence[str] | None,
+    ) -> Keep:
+        """``common`` for every consumer without a window in ``own``; only ``selected``, if given.
+
+        ``buffer`` None: each window gets its default buffer (see default_buffer).
+        """
+        named = selected if selected is not None else sorted(own)
+        return cls(
+            {name: keep_for(own.get(name, common), buffer) for name in named},
+            keep_for(common, buffer) if selected is None else None,
+        )
+
+    def cutoffs(self, now: datetime) -> Cutoffs:
+        """The round's cutoffs at ``now``: rows processed before ``now - keep`` go."""
+        return Cutoffs(
+            {name: None if keep is None else now - keep for name, keep in self.named.items()},
+            None if self.others is None else now - self.others,
+        )

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, insert, select, text
 
 from consumerdedup import ConfigurationError, Pruner
-from consumerdedup.prune.pruner import PruneProgress, PruneReport
+from consumerdedup.prune.report import PruneProgress, PruneReport
 from consumerdedup.prune.statements import PruneStatements
 from consumerdedup.prune.windows import UnknownConsumer
 from tests.conftest import Database
@@ -76,11 +76,10 @@ def test_the_exact_cutoff_is_kept_and_a_microsecond_older_goes(db: Database) -> 
 
 
 def test_default_buffer_is_one_day_or_ten_percent(db: Database) -> None:
-    assert pruner(db, timedelta(days=2)).keep_others == timedelta(days=3)
-    assert pruner(db, timedelta(days=30)).keep_others == timedelta(days=33)
-    assert pruner(db, timedelta(days=30), buffer=timedelta(hours=1)).keep_others == timedelta(
-        days=30, hours=1
-    )
+    assert pruner(db, timedelta(days=2)).config.keep.others == timedelta(days=3)
+    assert pruner(db, timedelta(days=30)).config.keep.others == timedelta(days=33)
+    hour = pruner(db, timedelta(days=30), buffer=timedelta(hours=1))
+    assert hour.config.keep.others == timedelta(days=30, hours=1)
     add_events(db, [("c", "32d", NOW - 32 * DAY), ("c", "34d", NOW - 34 * DAY)])
     assert pruner(db, timedelta(days=30)).prune() == 1
     assert survivors(db) == {"32d"}
