@@ -29,6 +29,7 @@ from .outbox.outbox import Outbox
 from .outbox.publisher import AsyncPublisher, Publisher
 from .outbox.relay import OutboxRelay, RelayConfig
 from .outcome import Outcome, Result
+from .prune.config import PrunerConfig
 from .prune.pruner import Pruner, PruneReport
 from .retry import RetryPolicy
 from .schema import Tables, install
@@ -58,6 +59,7 @@ __all__ = [
     "PermanentError",
     "PruneReport",
     "Pruner",
+    "PrunerConfig",
     "Publisher",
     "RecordedFailure",
     "RelayConfig",
