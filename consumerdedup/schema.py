@@ -34,7 +34,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from .db import catalog
 from .db.catalog import SchemaLocked
@@ -347,6 +347,8 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
         if table.fullname not in present:
             table.create(bind)  # with its indexes; a new table is nobody's to wait on
             continue
+        for column in catalog.missing_columns(bind, table):
+            _add_column(bind, table, column)
         for index in catalog.missing_indexes(bind, table):
             with catalog.bounded(bind, table, f"create its index {index.name}"):
                 if postgres:
@@ -367,6 +369,19 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
                 partitions.create_default(bind)
         partitions.make_ahead(bind, datetime.now(UTC))
     _record_version(bind, tables)
+
+
+def _add_column(conn: Connection, table: Table, column: Column[Any]) -> None:
+    """A column a newer layout added: only a nullable one or one with a server default
+    can be added to a table that has rows; for another, the fix is a migration."""
+    if not column.nullable and column.server_default is None:
+        raise ConfigurationError(
+            f"{table.fullname} lacks column {column.name}, which install() cannot add "
+            "(NOT NULL, no default): apply the release's migration (docs/migrations.md)"
+        )
+    spec = CreateColumn(column).compile(dialect=conn.dialect)
+    with catalog.bounded(conn, table, f"add its column {column.name}"):
+        conn.execute(text(f"ALTER TABLE {table_sql(table, conn.dialect.name)} ADD COLUMN {spec}"))
 
 
 def _sibling(table: Table, name: str) -> str:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, Index, Table, inspect, text
+from sqlalchemy import Column, Connection, Index, Table, inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import ConsumerDedupError
@@ -50,6 +51,13 @@ def existing(conn: Connection, tables: Sequence[Table]) -> set[str]:
     """The fullnames of the ``tables`` the database has."""
     inspector = inspect(conn)
     return {t.fullname for t in tables if inspector.has_table(t.name, schema=t.schema)}
+
+
+def missing_columns(conn: Connection, table: Table) -> list[Column[Any]]:
+    """The table's columns (as defined on it) that the database's table lacks: a table made
+    by an older release, before a column was added."""
+    found = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+    return [c for c in table.columns if c.name not in found]
 
 
 def missing_indexes(conn: Connection, table: Table) -> list[Index]:

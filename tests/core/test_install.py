@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, create_engine, delete, event, insert, text, update
 
-from consumerdedup import Tables, install
+from consumerdedup import ConfigurationError, Tables, install
 from consumerdedup.schema import SCHEMA_VERSION, SchemaLocked, installed_version
 
 WAIT_LIMIT = 3.0
@@ -207,6 +207,40 @@ def test_a_dropped_index_is_made_again(pg_engine: Engine, schema: str) -> None:
         names = {row[0] for row in snapshot(conn, schema)["indexes"]}
     assert f"{schema}.ix_outbox_unpublished" in names
     assert f"{schema}.ix_processed_events_processed_at" in names
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "sqlite"])
+def test_a_column_an_older_release_lacked_is_added(
+    kind: str, pg_engine: Engine, schema: str, tmp_path: Path
+) -> None:
+    """Tables made by an older layout: install() adds the nullable columns it lacks."""
+    if kind == "sqlite":
+        engine, tables = create_engine(f"sqlite:///{tmp_path / 'c.db'}"), Tables.define()
+    else:
+        engine, tables = pg_engine, pg_tables(schema)
+    install(engine, tables)
+    outbox = tables.outbox.fullname
+    with engine.begin() as conn:
+        conn.execute(insert(tables.outbox), outbox_row("old"))
+        conn.execute(text(f"ALTER TABLE {outbox} DROP COLUMN last_error"))
+    with Statements(engine) as statements:
+        install(engine, tables)
+    assert [s for s in statements.changes() if s.startswith("ALTER")] == [
+        f"ALTER TABLE {outbox} ADD COLUMN last_error TEXT"
+    ]
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT event_id, last_error FROM {outbox}")).all() == [
+            ("old", None)
+        ]
+
+
+def test_a_not_null_column_missing_is_a_clear_error(pg_engine: Engine, schema: str) -> None:
+    tables = pg_tables(schema)
+    install(pg_engine, tables)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {tables.outbox.fullname} DROP COLUMN destination"))
+    with pytest.raises(ConfigurationError, match=r"outbox lacks column destination.*migration"):
+        install(pg_engine, tables)
 
 
 def test_a_dropped_index_on_sqlite_is_made_again(tmp_path: Path) -> None:
