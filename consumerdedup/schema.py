@@ -4,8 +4,9 @@
 MetaData (so ``alembic revision --autogenerate`` sees them; the recipe is
 docs/migrations.md, its helpers ``consumerdedup.migrations``);
 ``install(engine)`` creates them directly, idempotently: on a database that
-already has everything it only reads the catalog, changes nothing and takes no
-lock on a table. ``installed_version(engine)`` reads the schema version it recorded.
+already has everything it only reads the catalog and the version table, changes
+nothing and locks none of the other tables. ``installed_version(engine)`` reads
+the schema version it recorded.
 """
 
 from __future__ import annotations
@@ -310,7 +311,8 @@ outbox = DEFAULT.outbox
 
 def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
     """Create what is missing and fix what differs; on a database that already has
-    everything, only read the catalog: change nothing, lock no table.
+    everything, only read the catalog and the version table: change nothing, lock none
+    of the other tables (the version table's read takes its ACCESS SHARE lock).
 
     It checks, in the catalog, the schemas, the four tables, their indexes, the
     outbox's NOTIFY trigger and its function (PostgreSQL: pg_proc's source, pg_trigger's

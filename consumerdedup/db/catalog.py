@@ -2,7 +2,7 @@
 
 ``install()`` reads here first and changes only what is missing or different:
 reading pg_class, pg_index, pg_proc and pg_trigger (or SQLite's sqlite_master)
-takes no lock on a table, so it never waits on, nor queues ahead of, a
+takes no lock on the tables read about, so it never waits on, nor queues ahead of, a
 transaction that holds one (a producer's open outbox INSERT). DDL that must
 run goes through ``bounded``: it waits for its lock at most ``LOCK_TIMEOUT``
 and then fails with ``SchemaLocked``, naming the table and the fix.
