@@ -148,14 +148,18 @@ def test_install_twice_sends_only_reads_and_changes_nothing(
         assert snapshot(conn, schema) == before
 
 
+@pytest.mark.parametrize("partitioned", [False, True], ids=["plain", "partitioned"])
 def test_install_while_an_outbox_insert_is_open_returns_at_once(
-    pg_engine: Engine, schema: str, holder: Connection
+    pg_engine: Engine, schema: str, holder: Connection, partitioned: bool
 ) -> None:
-    tables = pg_tables(schema)
+    tables = pg_tables(schema, partitioned)
     install(pg_engine, tables)
     with pg_engine.connect() as conn:
         before = snapshot(conn, schema)
     holder.execute(insert(tables.outbox), outbox_row("held"))  # uncommitted: ROW EXCLUSIVE
+    now = datetime.now(UTC)
+    claim = {"consumer": "c", "message_id": "m", "processed_at": now}
+    holder.execute(insert(tables.processed_events), {**claim, "payload_hash": "0", "outcome": "p"})
 
     with pg_engine.connect() as conn:
         bounded(conn)
