@@ -17,7 +17,7 @@ from consumerdedup.cli.redact import Secrets, mask
 from tests.cli.test_commands import cli
 
 REFUSED = "connection failed: connection to server at"
-REFUSED_PORT = "port 1 failed: Connection refused Is the server running on that host"
+REFUSED_PORT = "port 1 failed: Connection refused: check the host and port in the URL (127.0.0.1:1)"
 
 
 @pytest.fixture
