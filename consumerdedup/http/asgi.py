@@ -217,7 +217,7 @@ class _Exchange:
                 self.body = b"".join(chunks)
                 return self.body
 
-    async def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed:
+    async def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed | flow.StoreBusy:
         args = (claim.scope, claim.key, claim.fingerprint)
         if not claim.policy.transactional:
             try:
@@ -243,6 +243,12 @@ class _Exchange:
                     log.exception("idempotency store failed to claim for %s", claim.scope)
                     await self.close_session()
                     return flow.StoreFailed()
+                if store.engine.dialect.name == "sqlite":
+                    # SQLite serialises writers: BEGIN IMMEDIATE timed out on the database's
+                    # write lock, held by a twin or by any other transactional request.
+                    log.info("idempotency store busy for %s: SQLite's write lock", claim.scope)
+                    await self.close_session()
+                    return flow.StoreBusy()
                 result = InFlight(1.0)
             if not isinstance(result, Claimed):
                 await self.close_session()

@@ -9,7 +9,8 @@ never disagree on a rule.
 Operations and what the driver sends back:
     ReadBody(limit)      -> the whole request body, or None if it is longer than limit
     Claim(...)           -> a store.ClaimResult (transactional: claim_in the request's session),
-                            or StoreFailed when the store raised (nothing was claimed)
+                            or StoreFailed when the store raised (nothing was claimed), or
+                            StoreBusy (SQLite transactional: the write lock is taken)
     Pause(seconds)       -> None, after sleeping
     Run(token)           -> Finished | Overflowed | Crashed (renewing the lease meanwhile)
     Complete(...)        -> bool: stored (transactional: stored and committed), or
@@ -136,6 +137,13 @@ class ClaimLost:
     claim (the endpoint rolled the session back): nothing was stored or committed."""
 
 
+@dataclass(frozen=True)
+class StoreBusy:
+    """What a driver sends for a transactional Claim on SQLite whose BEGIN IMMEDIATE waited
+    past the route's wait: SQLite serialises writers, so the write lock may be held by a
+    request with another key. Nothing ran."""
+
+
 # Decisions (returned)
 @dataclass(frozen=True)
 class PassThrough:
@@ -247,6 +255,13 @@ def decide(
         )
     else:
         kept = ran.response
+        if not kept.replayable:
+            log.warning(
+                "idempotency not stored %s %s: %s; a retry gets 409 response-not-stored",
+                where,
+                label,
+                kept.why_not,
+            )
     stored = yield Complete(scope, key, claimed.token, kept, route.expiry)
     if isinstance(stored, ClaimLost):
         log.error("idempotency claim lost %s %s: nothing committed", where, label)
@@ -276,6 +291,9 @@ def _claim(
         result: ClaimResult = yield claim
         if isinstance(result, Claimed):
             return result
+        if isinstance(result, StoreBusy):
+            log.info("idempotency refused %s %s: the database is busy (SQLite)", where, label)
+            return Respond(problems.store_busy().response())
         if isinstance(result, StoreFailed):
             log.warning("idempotency refused %s %s: the store failed", where, label)
             return Respond(problems.store_unavailable().response())

@@ -130,3 +130,16 @@ def claim_lost() -> Problem:
         "transaction its idempotency claim lived in. A retry with the same key gets the "
         "response of whichever request holds the key, or runs it if none did.",
     )
+
+
+def store_busy() -> Problem:
+    return Problem(
+        503,
+        "store-busy",
+        "The database is busy with another request",
+        "Nothing was done: this endpoint commits in one SQLite transaction, and SQLite runs one "
+        "writing transaction at a time; another request (with this key or any other) held the "
+        "database's write lock past this route's wait. Retry the same request with the same "
+        "key; to wait instead, give the route a wait.",
+        (("retry-after", "1"),),
+    )

@@ -102,9 +102,11 @@ class KeyStatements:
         self.release = delete(t).where(mine)
         self.waiting: tuple[Executable, Executable, Executable] | None = None
         self.trying: Executable | None = None
+        self.claim_one: Executable | None = None
         if dialect == "postgresql":
             self.waiting = _waiting_claim(t, self.insert, self.reclaim)
             self.trying = _trying_claim(t)
+            self.claim_one = _trying_claim(t, lock=False)
 
     def claim_steps(
         self,
@@ -114,6 +116,8 @@ class KeyStatements:
         now: datetime,
         lease: timedelta | None,
         wait: timedelta | None = None,
+        *,
+        alone: bool = False,
     ) -> Generator[Step, Sequence[Any], ClaimResult]:
         """The claim; inside the request's transaction the row lock holds it, and ``lease``
         only frees a claim row committed without its response (None: never).
@@ -132,10 +136,13 @@ class KeyStatements:
         again: Executable = self.insert
         reclaim: Executable = self.reclaim
         insert_first = True
-        if wait is not None and not wait and self.trying is not None:
-            # No wait (the default): one statement takes the key's advisory lock without
-            # waiting, inserts the claim under it and reads a record already there.
-            found = yield self.trying, row
+        one = self.trying if wait is not None and not wait else None
+        if wait is None and alone:
+            one = self.claim_one
+        if one is not None:
+            # One statement: (in the request's transaction, no wait: take the key's advisory
+            # lock without waiting,) insert the claim, and read a record already there.
+            found = yield one, row
             tried = found[0]
             if not tried.got:
                 return InFlight(1.0)  # a twin holds the key in its open transaction
@@ -234,14 +241,19 @@ CLAIM_LOCK = "http.claim"
 """The advisory-lock class of a transactional claim (db.locks: namespaced by the table)."""
 
 
-def _trying_claim(table: Any) -> Executable:
+def _trying_claim(table: Any, *, lock: bool = True) -> Executable:
     """PostgreSQL's claim inside the request's transaction when a twin must not be waited
     for, in one round trip: ``pg_try_advisory_xact_lock`` on the key (held to the end of the
     transaction, like the claim's row lock), the INSERT under it, and the record a finished
     request left, read in the same statement. Not lock_timeout: a 1 ms lock_timeout also
     fires on locks that are not a twin's (the table's extension lock under load), which
     answered 409 in-flight to fresh keys. A record committed after the statement's snapshot
-    is not read here (``state`` NULL, nothing claimed): the caller reads it next."""
+    is not read here (``state`` NULL, nothing claimed): the caller reads it next.
+
+    ``lock=False``: the claim committed on its own (non-transactional, PostgreSQL in
+    autocommit): the unique key arbitrates, and the one statement is the whole claim when the
+    key is new or its record finished (a replay), one round trip instead of BEGIN, INSERT,
+    UPDATE, SELECT, COMMIT."""
     columns = ("scope", "key", "fingerprint", "state", "token", "locked_until", "created_at")
     quote = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
     name = quote.format_table(table)
@@ -252,9 +264,14 @@ def _trying_claim(table: Any) -> Executable:
     space = SPACE_SQL.replace(":lock_purpose", f"'{CLAIM_LOCK}'").replace(
         ":lock_table", "'" + name.replace("'", "''") + "'"
     )
+    got = (
+        f"pg_try_advisory_xact_lock({space}, "
+        "hashtext(CAST(:scope AS text) || chr(10) || CAST(:key AS text)))"
+        if lock
+        else "true"
+    )
     statement = text(
-        "WITH lk AS MATERIALIZED (SELECT pg_try_advisory_xact_lock("
-        f"{space}, hashtext(CAST(:scope AS text) || chr(10) || CAST(:key AS text))) AS got), "
+        f"WITH lk AS MATERIALIZED (SELECT {got} AS got), "
         f"ins AS (INSERT INTO {name} ({listed}) SELECT {values} FROM lk WHERE lk.got "
         f"ON CONFLICT ({scope}, {key}) DO NOTHING RETURNING {key}) "
         "SELECT lk.got, EXISTS (SELECT 1 FROM ins) AS claimed, "

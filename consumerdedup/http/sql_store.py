@@ -79,9 +79,17 @@ class SqlStore:
         self.tables = tables
         self.clock = clock
         self.statements = KeyStatements(tables, engine.dialect.name)
+        # PostgreSQL: every write of a claim committed apart is one atomic statement, so it
+        # runs in autocommit (no BEGIN and COMMIT round trips); SQLite keeps BEGIN IMMEDIATE.
+        self.alone = engine.dialect.name == "postgresql"
+        self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     def claim(self, scope: str, key: str, fingerprint: str, lease: timedelta) -> ClaimResult:
         now = self.clock()
+        if self.alone:
+            with self.autocommit.connect() as conn:
+                steps = self.statements.claim_steps(scope, key, fingerprint, now, lease, alone=True)
+                return _drive_sync(conn, steps)
         with self.engine.connect() as conn, conn.begin():
             _begin(conn)
             return _drive_sync(
@@ -103,6 +111,9 @@ class SqlStore:
         self._write(self.statements.release, {"b_scope": scope, "b_key": key, "b_token": token})
 
     def _write(self, statement: Any, params: dict[str, Any]) -> bool:
+        if self.alone:
+            with self.autocommit.connect() as conn:
+                return bool(conn.execute(statement, params).rowcount == 1)
         with self.engine.connect() as conn, conn.begin():
             _begin(conn)
             return bool(conn.execute(statement, params).rowcount == 1)
@@ -195,9 +206,15 @@ class AsyncSqlStore:
         self.tables = tables
         self.clock = clock
         self.statements = KeyStatements(tables, engine.dialect.name)
+        self.alone = engine.dialect.name == "postgresql"  # as SqlStore
+        self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     async def claim(self, scope: str, key: str, fingerprint: str, lease: timedelta) -> ClaimResult:
         now = self.clock()
+        if self.alone:
+            async with self.autocommit.connect() as conn:
+                steps = self.statements.claim_steps(scope, key, fingerprint, now, lease, alone=True)
+                return await _drive_async(conn, steps)
         async with self.engine.connect() as conn, conn.begin():
             await conn.run_sync(_begin)
             steps = self.statements.claim_steps(scope, key, fingerprint, now, lease)
@@ -220,6 +237,9 @@ class AsyncSqlStore:
         )
 
     async def _write(self, statement: Any, params: dict[str, Any]) -> bool:
+        if self.alone:
+            async with self.autocommit.connect() as conn:
+                return bool((await conn.execute(statement, params)).rowcount == 1)
         async with self.engine.connect() as conn, conn.begin():
             await conn.run_sync(_begin)
             return bool((await conn.execute(statement, params)).rowcount == 1)

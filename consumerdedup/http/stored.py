@@ -9,6 +9,7 @@ names), and ``Idempotent-Replayed`` (added on replay only).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,6 +34,10 @@ _NEVER_REPLAYED = frozenset(
     }
 )
 _FORMAT = 1
+# What a server can send again (RFC 9110 5.1, 5.5): a token name, a value without CR, LF, NUL
+# or other controls but HTAB. Anything else makes every replay drop the connection.
+_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 
 
 class CorruptStoredResponse(ConsumerDedupError):
@@ -47,6 +52,8 @@ class StoredResponse:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     replayable: bool = True
+    why_not: str = ""
+    """When not replayable at capture: why (for the log line)."""
 
     @classmethod
     def capture(
@@ -63,11 +70,16 @@ class StoredResponse:
         kept = tuple(
             (n, v) for n, v in pairs if n not in _NEVER_REPLAYED and n not in per_connection
         )
+        for name, value in kept:
+            if not _NAME.fullmatch(name) or not _VALUE.fullmatch(value):
+                # Stored, it would break every replay (the server refuses to send it): record
+                # it as ran-but-not-stored, so a retry is refused, never run again.
+                return cls.unreplayable(status, "a header no server can send again")
         return cls(status, kept, body)
 
     @classmethod
-    def unreplayable(cls, status: int) -> StoredResponse:
-        return cls(status, (), b"", replayable=False)
+    def unreplayable(cls, status: int, why_not: str = "") -> StoredResponse:
+        return cls(status, (), b"", replayable=False, why_not=why_not)
 
     def replay_headers(self) -> list[tuple[bytes, bytes]]:
         """The stored headers and ``Idempotent-Replayed: true``, as ASGI wants them."""

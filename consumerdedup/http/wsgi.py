@@ -223,7 +223,7 @@ class _Exchange:
         self.environ["CONTENT_LENGTH"] = str(len(body))
         return body
 
-    def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed:
+    def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed | flow.StoreBusy:
         args = (claim.scope, claim.key, claim.fingerprint)
         if not claim.policy.transactional:
             try:
@@ -248,6 +248,12 @@ class _Exchange:
                     log.exception("idempotency store failed to claim for %s", claim.scope)
                     self.close_session()
                     return flow.StoreFailed()
+                if store.engine.dialect.name == "sqlite":
+                    # SQLite serialises writers: BEGIN IMMEDIATE timed out on the database's
+                    # write lock, held by a twin or by any other transactional request.
+                    log.info("idempotency store busy for %s: SQLite's write lock", claim.scope)
+                    self.close_session()
+                    return flow.StoreBusy()
                 result = InFlight(1.0)
             if not isinstance(result, Claimed):
                 self.close_session()

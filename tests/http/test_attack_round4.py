@@ -1,0 +1,232 @@
+"""Round-4 holes in consumerdedup.http, through a real uvicorn server and httpx.
+
+The app (``make_app``) is a raw ASGI app over the suite's Backend (tests/http/asgi_apps.py):
+  /crlf          answers 201 with a header value holding CR LF: a response no server can
+                 send again, so it must be recorded as not stored (a retry is refused with
+                 409 response-not-stored, never run again)
+  /tx/rollback   transactional; ?role=first writes a run, rolls the request's session back
+                 (which ends the transaction its claim lived in), drops a marker file, waits
+                 until a twin with the same key has run, writes again and answers 201: it
+                 must answer 500 claim-lost and commit nothing. ?role=twin writes a run and
+                 answers 201 (it may claim the key: the first's claim is gone).
+                 ?role=hold writes a run and keeps its transaction open until GET /release
+  GET /release   passes through; lets the holder with ?tag= answer
+On SQLite a transactional request holds the database's write lock: another key's
+transactional request is refused with 503 store-busy (not a false 409 in-flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
+from consumerdedup.http.asgi import SESSION_KEY
+from consumerdedup.schema import install
+from tests.http.asgi_apps import Backend, _answer, _read
+from tests.http.conftest import Server, ServerKind, new_key, wait_for
+
+POLICY = IdempotencyPolicy.of(
+    {"/tx/*": RoutePolicy(required=True, transactional=True)},
+    default=RoutePolicy(required=True),
+)
+
+
+def make_app() -> Any:
+    backend = Backend()
+    markers = Path(os.environ["CDD_HTTP_MARKERS"])
+    twins: dict[str, asyncio.Event] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await _read(receive)
+        path = scope["path"]
+        query = dict(p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
+        if path == "/health":
+            await _answer(send, 200, {"ok": True})
+            return
+        route = path.strip("/")
+        if path == "/release":  # GET: passes through the middleware
+            twins.setdefault(query["tag"], asyncio.Event()).set()
+            await _answer(send, 200, {"ok": True})
+            return
+        if path == "/crlf":
+            run = await backend.record(route, None, "")
+            headers = [(b"content-type", b"text/plain"), (b"x-note", b"a\r\nx-injected: 1")]
+            await send({"type": "http.response.start", "status": 201, "headers": headers})
+            await send({"type": "http.response.body", "body": str(run).encode()})
+            return
+        session = scope[SESSION_KEY]
+        tag = query["tag"]
+        twin = twins.setdefault(tag, asyncio.Event())
+        run = await backend.record_in(session, route, None, query["role"])
+        if query["role"] == "hold":  # holds its transaction open until GET /release
+            (markers / f"holding-{tag}").touch()
+            await asyncio.wait_for(twin.wait(), 20)
+            await _answer(send, 201, {"run": run})
+            return
+        if query["role"] == "twin":
+            twin.set()
+            await _answer(send, 201, {"run": run})
+            return
+        if isinstance(session, AsyncSession):
+            await session.rollback()
+        else:
+            await asyncio.to_thread(session.rollback)
+        (markers / f"rolled-back-{tag}").touch()
+        await asyncio.wait_for(twin.wait(), 20)
+        run = await backend.record_in(session, route, None, "first-again")
+        await _answer(send, 201, {"run": run})
+
+    return IdempotencyMiddleware(app, backend.engine, policy=POLICY, tables=backend.tables)
+
+
+def _uvicorn(port: int) -> list[str]:
+    from tests.http.conftest import uvicorn
+
+    argv = uvicorn(port)
+    argv[argv.index("tests.http.asgi_apps:make_app")] = "tests.http.test_attack_round4:make_app"
+    return argv
+
+
+KINDS = [
+    ServerKind("round4-postgresql-async", "postgresql", {"CDD_HTTP_ASYNC": "1"}, _uvicorn),
+    ServerKind("round4-postgresql-sync", "postgresql", {}, _uvicorn),
+    ServerKind("round4-sqlite-sync", "sqlite", {}, _uvicorn),
+]
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
+def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from _serve(request, request.param)
+
+
+@pytest.fixture(scope="module", params=KINDS[2:], ids=lambda k: k.name)
+def attacked_sqlite(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The SQLite server only (SQLite serialises writers; PostgreSQL never does this)."""
+    yield from _serve(request, request.param)
+
+
+def _serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind.database == "sqlite":
+            url, schema = f"sqlite:///{tmp}/http.db", ""
+            with create_engine(url).connect() as conn:
+                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        else:
+            url = request.getfixturevalue("postgres_url")
+            schema = f"h_{uuid.uuid4().hex[:12]}"
+        markers = Path(tmp) / "markers"
+        markers.mkdir()
+        server = Server(kind, url, schema, markers)
+        install(server.engine, server.tables)
+        server.runs_table.create(server.engine)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+            if schema:
+                from sqlalchemy import text
+
+                with server.engine.begin() as conn:
+                    conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            server.engine.dispose()
+
+
+def test_a_response_with_a_header_no_server_can_replay_is_never_run_again(
+    attacked: Server,
+) -> None:
+    key = {"Idempotency-Key": new_key()}
+    with httpx.Client(base_url=attacked.url, timeout=10) as client:
+        with contextlib.suppress(httpx.HTTPError):  # the server may refuse to send it
+            client.post("/crlf", content=b"{}", headers=key)
+        retries = [client.post("/crlf", content=b"{}", headers=key) for _ in range(2)]
+    for retry in retries:
+        assert retry.status_code == 409, retry.text
+        assert retry.json()["type"].endswith(":response-not-stored")
+    assert attacked.runs("crlf") == 1
+
+
+def test_an_endpoint_that_rolls_back_its_session_commits_nothing_beside_a_twin(
+    attacked: Server,
+) -> None:
+    key = {"Idempotency-Key": new_key()}
+    tag = uuid.uuid4().hex[:8]
+    answers: dict[str, httpx.Response] = {}
+
+    def send(role: str) -> None:
+        with httpx.Client(base_url=attacked.url, timeout=30) as client:
+            answers[role] = client.post(
+                f"/tx/rollback?role={role}&tag={tag}", content=b"{}", headers=key
+            )
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    marker = attacked.markers / f"rolled-back-{tag}"
+    wait_for(marker.exists, 20, "the first request to roll its session back")
+    send("twin")  # the first's claim went with its transaction: the twin claims and runs
+    first.join(30)
+    assert not first.is_alive()
+    assert answers["twin"].status_code == 201, answers["twin"].text
+    assert answers["first"].status_code == 500, answers["first"].text
+    assert answers["first"].json()["type"].endswith(":claim-lost")
+    # Only the twin's run committed: nothing the first wrote, before or after its rollback.
+    assert attacked.runs("tx/rollback", "twin") == 1
+    assert attacked.runs("tx/rollback", "first") == 0
+    assert attacked.runs("tx/rollback", "first-again") == 0
+    with httpx.Client(base_url=attacked.url, timeout=10) as client:
+        again = client.post(f"/tx/rollback?role=twin&tag={tag}", content=b"{}", headers=key)
+    assert again.status_code == 201  # the twin's response, replayed (its request)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == answers["twin"].content
+
+
+def test_sqlite_answers_store_busy_not_in_flight_for_another_key(attacked_sqlite: Server) -> None:
+    attacked = attacked_sqlite
+    tag = uuid.uuid4().hex[:8]
+    answers: dict[str, httpx.Response] = {}
+
+    def hold() -> None:
+        with httpx.Client(base_url=attacked.url, timeout=30) as client:
+            answers["hold"] = client.post(
+                f"/tx/rollback?role=hold&tag={tag}",
+                content=b"{}",
+                headers={"Idempotency-Key": new_key()},
+            )
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        wait_for((attacked.markers / f"holding-{tag}").exists, 20, "the holder's transaction")
+        with httpx.Client(base_url=attacked.url, timeout=10) as client:
+            other = client.post(
+                f"/tx/rollback?role=twin&tag={tag}-other",
+                content=b"{}",
+                headers={"Idempotency-Key": new_key()},
+            )
+    finally:
+        httpx.get(f"{attacked.url}/release?tag={tag}", timeout=10)
+        holder.join(30)
+    assert other.status_code == 503, other.text
+    assert other.json()["type"].endswith(":store-busy")
+    assert "SQLite" in other.json()["detail"]
+    assert other.headers["retry-after"] == "1"
+    assert answers["hold"].status_code == 201
+    assert attacked.runs("tx/rollback", "twin") == 0
