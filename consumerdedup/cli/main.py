@@ -23,7 +23,7 @@ from typing import NoReturn, Protocol
 from sqlalchemy.exc import DBAPIError
 
 from ..reasons import describe
-from . import demo, init_db, prune, relay, stats
+from . import demo, failed, init_db, prune, relay, stats
 from .common import ENV_URL, PROG, CommandError
 from .redact import Secrets
 
@@ -40,7 +40,7 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-COMMANDS: tuple[Command, ...] = (init_db, stats, demo, prune, relay)
+COMMANDS: tuple[Command, ...] = (init_db, stats, demo, prune, relay, failed, failed.FORGET)
 
 
 class ScrubbingFormatter(logging.Formatter):
