@@ -19,6 +19,7 @@ from typing import Any
 
 from .. import durations
 from ..errors import ConfigurationError
+from ..failed import KAFKA_GROUP as GROUP
 from ..failed import records
 from ..failed.records import FailedRecord, Filters
 from ..headers import DEAD_LETTER_SUFFIX, ID_HEADER
@@ -103,23 +104,32 @@ def add_forget_ids(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_replay(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--rabbitmq", metavar="URL", required=True, help="amqp://user:password@host:5672/%%2F"
-    )
+    broker = parser.add_mutually_exclusive_group(required=True)
+    broker.add_argument("--rabbitmq", metavar="URL", help="amqp://user:password@host:5672/%%2F")
+    broker.add_argument("--kafka", metavar="BOOTSTRAP", help="host:9092[,host:9092...]")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--queue", help=f"the source queue (its DLQ: QUEUE{DEAD_LETTER_SUFFIX})")
-    where.add_argument("--dead-letter-queue", metavar="DLQ", help="the dead-letter queue")
+    where.add_argument(
+        "--queue", help=f"RabbitMQ: the source queue (DLQ QUEUE{DEAD_LETTER_SUFFIX})"
+    )
+    where.add_argument("--dead-letter-queue", metavar="DLQ", help="RabbitMQ: the DLQ")
+    where.add_argument("--topic", help=f"Kafka: the source topic (DLQ TOPIC{DEAD_LETTER_SUFFIX})")
+    where.add_argument("--dead-letter-topic", metavar="DLQ", help="Kafka: the DLQ topic")
     parser.add_argument(
-        "--to",
-        metavar="QUEUE",
-        help="republish to this queue, not the source each dead letter names",
+        "--to", metavar="NAME", help="republish to this queue or topic, not each letter's source"
     )
     parser.add_argument(
-        "--id-header",
-        default=ID_HEADER,
-        help="header read for the id without a message_id (%(default)s)",
+        "--id-header", default=ID_HEADER, help="header read for the id (default %(default)s)"
     )
     parser.add_argument("--limit", type=int, help="replay this many dead letters at most")
+    parser.add_argument(
+        "--group", default=GROUP, help="Kafka: the group whose DLQ offsets are committed"
+    )
+    parser.add_argument(
+        "--from-offset", type=int, help="Kafka: start here, not at the group's committed offset"
+    )
+    parser.add_argument(
+        "--idempotent-producer", action="store_true", help="Kafka: for brokers that grant it"
+    )
     _change(parser)
 
 
@@ -175,11 +185,7 @@ def _forget(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from ..failed import rabbitmq
-
     _, engine, tables = _open(args)
-    args.secrets.add_url(args.rabbitmq)
-    dlq = args.dead_letter_queue or args.queue + DEAD_LETTER_SUFFIX
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be positive")
     options: dict[str, Any] = {
@@ -187,7 +193,17 @@ def _replay(args: argparse.Namespace) -> int:
         "limit": args.limit,
         "to": args.to,
         "id_header": args.id_header,
+        "dry_run": args.dry_run,
+        "on_confirmed": _printer(),
     }
+    if args.kafka:
+        return _replay_kafka(args, engine, options)
+    if args.topic or args.dead_letter_topic:
+        raise UsageError("--topic and --dead-letter-topic are for --kafka")
+    from ..failed import rabbitmq
+
+    args.secrets.add_url(args.rabbitmq)
+    dlq = args.dead_letter_queue or args.queue + DEAD_LETTER_SUFFIX
     if not args.dry_run:
         waiting = rabbitmq.waiting(args.rabbitmq, dlq)
         if not waiting:
@@ -199,9 +215,30 @@ def _replay(args: argparse.Namespace) -> int:
             f"replay {up_to} dead letter(s) of {dlq!r}: forget their FAILED records "
             "and republish them to their source queue?",
         )
-    report = rabbitmq.replay(
-        engine, args.rabbitmq, dlq, dry_run=args.dry_run, on_confirmed=_printer(), **options
+    return _summary(args, dlq, rabbitmq.replay(engine, args.rabbitmq, dlq, **options))
+
+
+def _replay_kafka(args: argparse.Namespace, engine: Any, options: dict[str, Any]) -> int:
+    if args.queue or args.dead_letter_queue:
+        raise UsageError("--queue and --dead-letter-queue are for --rabbitmq")
+    from ..failed import kafka
+
+    dlq = args.dead_letter_topic or args.topic + DEAD_LETTER_SUFFIX
+    if not args.dry_run:
+        _confirm(
+            args,
+            f"replay the dead letters of {dlq!r} after group {args.group!r}'s offsets: forget "
+            "their FAILED records and re-produce them to their source topic?",
+        )
+    options.update(
+        group=args.group,
+        from_offset=args.from_offset,
+        idempotent_producer=args.idempotent_producer,
     )
+    return _summary(args, dlq, kafka.replay(engine, args.kafka, dlq, **options))
+
+
+def _summary(args: argparse.Namespace, dlq: str, report: Any) -> int:
     verb = "would replay" if args.dry_run else "replayed"
     if args.dry_run:
         for letter in report.replayed:

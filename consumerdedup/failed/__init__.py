@@ -9,4 +9,16 @@ from __future__ import annotations
 
 from .records import MAX_LIMIT, FailedRecord, Filters, Page, forget, list_failed, show
 
-__all__ = ["MAX_LIMIT", "FailedRecord", "Filters", "Page", "forget", "list_failed", "show"]
+KAFKA_GROUP = "consumerdedup-replay"
+"""The consumer group whose offsets on a Kafka DLQ record how far replays have gone."""
+
+__all__ = [
+    "KAFKA_GROUP",
+    "MAX_LIMIT",
+    "FailedRecord",
+    "Filters",
+    "Page",
+    "forget",
+    "list_failed",
+    "show",
+]

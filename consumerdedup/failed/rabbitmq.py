@@ -18,7 +18,6 @@ import importlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +30,7 @@ from ..headers import CONSUMER_HEADER, ID_HEADER, REASON_HEADER, SOURCE_HEADER
 from ..retry import Backoff
 from ..schema import DEFAULT, Tables
 from .records import forget
+from .report import DeadLetter, ReplayReport
 
 # The adapter installs as consumerdedup.adapters from adapters/ (not on mypy's path).
 _adapter: Any = importlib.import_module("consumerdedup.adapters.rabbitmq")
@@ -39,27 +39,6 @@ _connection: Any = importlib.import_module("consumerdedup.adapters.rabbitmq.conn
 BATCH = 100
 """Dead letters taken per round: one DELETE forgets their records."""
 _OURS = (REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER)
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """A dead letter as the replay read it; ``source`` None when it cannot go back."""
-
-    consumer: str | None
-    message_id: str | None
-    source: str | None
-    reason: str | None
-
-
-@dataclass
-class ReplayReport:
-    """What a replay did: the dead letters republished (with ``dry_run``: that would be),
-    how many FAILED records were forgotten, and those left in the DLQ with why."""
-
-    dead_letter_queue: str
-    replayed: list[DeadLetter] = field(default_factory=list)
-    forgotten: int = 0
-    kept: list[tuple[DeadLetter, str]] = field(default_factory=list)
 
 
 def replay(

@@ -1,0 +1,180 @@
+"""Replay a Kafka dead-letter topic: forget the FAILED records, re-produce each dead letter
+to the topic it came from (acks=all), then commit the replay group's offsets on the DLQ.
+
+A dead letter names its source topic and its consumer in the headers the runner set
+(``x-dead-letter-source``, ``x-dead-letter-consumer``), its id in the id header. The
+replay reads from the group's committed offset (or ``from_offset``, or the beginning) up
+to the end each partition had when it started, and commits a batch's offsets only after
+every copy in it was acknowledged: killed at any point, what was not committed is read
+again and re-produced, and a twin copy is answered by the dedup record (forget never
+deletes a completed one). A record without an id header stops its partition there: its
+copy would get a new id (its coordinates), and a repeated replay could apply it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped]
+from sqlalchemy import Engine
+
+from ..errors import ConfigurationError
+from ..headers import CONSUMER_HEADER, ID_HEADER, REASON_HEADER, SOURCE_HEADER
+from ..schema import DEFAULT, Tables
+from . import KAFKA_GROUP
+from .records import forget
+from .report import DeadLetter, ReplayReport
+
+GROUP = KAFKA_GROUP
+_OURS_PREFIX = "x-dead-letter-"
+
+
+def replay(
+    engine: Engine,
+    bootstrap_servers: str,
+    dead_letter_topic: str,
+    **options: Any,
+) -> ReplayReport:
+    """``replay_async`` on an event loop of its own."""
+    return asyncio.run(replay_async(engine, bootstrap_servers, dead_letter_topic, **options))
+
+
+async def replay_async(
+    engine: Engine,
+    bootstrap_servers: str,
+    dead_letter_topic: str,
+    *,
+    tables: Tables = DEFAULT,
+    group: str = GROUP,
+    from_offset: int | None = None,
+    limit: int | None = None,
+    to: str | None = None,
+    id_header: str = ID_HEADER,
+    idempotent_producer: bool = False,
+    dry_run: bool = False,
+    on_confirmed: Callable[[DeadLetter], Any] | None = None,
+) -> ReplayReport:
+    """Replay up to ``limit`` (None: all) dead letters of ``dead_letter_topic`` to their
+    source topic (``to``: that topic instead). With ``dry_run`` nothing is forgotten,
+    produced or committed."""
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ConfigurationError(f"limit must be a positive int or None, got {limit!r}")
+    if from_offset is not None and (not isinstance(from_offset, int) or from_offset < 0):
+        raise ConfigurationError(f"from_offset must be an int >= 0, got {from_offset!r}")
+    adapter: Any = importlib.import_module("consumerdedup.adapters.kafka")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    publisher = adapter.KafkaPublisher(bootstrap_servers, enable_idempotence=idempotent_producer)
+    report = ReplayReport(dead_letter_topic)
+    await consumer.start()
+    try:
+        found = consumer.partitions_for_topic(dead_letter_topic)
+        if not found:
+            found = await _partitions(consumer, dead_letter_topic)
+        partitions = [TopicPartition(dead_letter_topic, p) for p in sorted(found)]
+        consumer.assign(partitions)
+        ends = await consumer.end_offsets(partitions)
+        for tp in partitions:
+            start = from_offset
+            if start is None:
+                start = await consumer.committed(tp)
+            if start is None:
+                await consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, start)
+        left = limit
+        for tp in partitions:
+            while (left is None or left > 0) and await consumer.position(tp) < ends[tp]:
+                fetched = await consumer.getmany(tp, timeout_ms=1000, max_records=100)
+                batch = [r for r in fetched.get(tp, []) if r.offset < ends[tp]]
+                if left is not None:
+                    batch = batch[:left]
+                if not batch:
+                    continue
+                done = await _replay_batch(
+                    engine, tables, publisher, batch, to, id_header, dry_run, on_confirmed, report
+                )
+                if left is not None:
+                    left -= done
+                if done and not dry_run:
+                    await consumer.commit({tp: batch[done - 1].offset + 1})
+                if done < len(batch):  # stopped at a record that cannot go back
+                    break
+    finally:
+        await consumer.stop()
+        await publisher.stop()
+    return report
+
+
+async def _partitions(consumer: Any, topic: str) -> set[int]:
+    topics = await consumer.topics()
+    if topic not in topics:
+        raise ConfigurationError(f"no dead-letter topic {topic!r}")
+    return set(consumer.partitions_for_topic(topic) or ())
+
+
+async def _replay_batch(
+    engine: Engine,
+    tables: Tables,
+    publisher: Any,
+    batch: Sequence[Any],
+    to: str | None,
+    id_header: str,
+    dry_run: bool,
+    on_confirmed: Callable[[DeadLetter], Any] | None,
+    report: ReplayReport,
+) -> int:
+    """Forget, then re-produce ``batch`` up to its first unreplayable record; how many went."""
+    letters = [_letter(record, id_header) for record in batch]
+    go = 0
+    for letter in letters:
+        why = _unreplayable(letter, to)
+        if why is not None:
+            report.kept.append((letter, why))
+            break
+        go += 1
+    by_consumer: dict[str, list[str]] = {}
+    for letter in letters[:go]:
+        by_consumer.setdefault(str(letter.consumer), []).append(str(letter.message_id))
+    for consumer, ids in by_consumer.items():
+        report.forgotten += len(forget(engine, consumer, ids, dry_run=dry_run, tables=tables))
+    for record, letter in zip(batch[:go], letters[:go], strict=True):
+        if not dry_run:
+            headers = [(k, v) for k, v in record.headers if not k.startswith(_OURS_PREFIX)]
+            await publisher.send(
+                to or str(letter.source), record.value, key=record.key, headers=headers
+            )
+            if on_confirmed is not None:
+                on_confirmed(letter)
+        report.replayed.append(letter)
+    return go
+
+
+def _letter(record: Any, id_header: str) -> DeadLetter:
+    headers = {k: v.decode("utf-8", errors="replace") for k, v in record.headers if v is not None}
+    return DeadLetter(
+        consumer=headers.get(CONSUMER_HEADER),
+        message_id=headers.get(id_header),
+        source=headers.get(SOURCE_HEADER),
+        reason=headers.get(REASON_HEADER),
+    )
+
+
+def _unreplayable(letter: DeadLetter, to: str | None) -> str | None:
+    if not to and not letter.source:
+        return f"no {SOURCE_HEADER} header: pass --to TOPIC"
+    if letter.consumer is None:
+        return f"no {CONSUMER_HEADER} header: its record cannot be forgotten"
+    if letter.message_id is None:
+        return (
+            "no id header: its copy would get a new id (its coordinates), so a replay "
+            "repeated after a kill could apply it twice; replay it by hand"
+        )
+    return None
