@@ -8,6 +8,7 @@ from .dedup.async_deduplicator import AsyncDedupHandler, AsyncDeduplicator
 from .dedup.deduplicator import DedupHandler, Deduplicator
 from .dedup.settings import DeadLetterFailed
 from .errors import (
+    AuthenticationFailed,
     BrokerUnavailable,
     CommitInHandler,
     ConfigurationError,
@@ -39,6 +40,7 @@ __all__ = [
     "AsyncDedupHandler",
     "AsyncDeduplicator",
     "AsyncPublisher",
+    "AuthenticationFailed",
     "BrokerUnavailable",
     "CommitInHandler",
     "ConfigurationError",

@@ -5,6 +5,7 @@ Every class here, drawn by what it derives from::
     Exception
      +-- ConsumerDedupError ........ root of every error raised on purpose
           +-- ConfigurationError ... a setting is wrong (also a ValueError); before any message
+          |    +-- AuthenticationFailed  a broker or database refused the credentials: fatal
           +-- PermanentError ....... the message ends FAILED: recorded and dead-lettered
           |    +-- InvalidMessage .. no valid id, or a malformed delivery
           |    +-- DecodeError ..... the body cannot be decoded
@@ -24,7 +25,8 @@ ConfigurationError) and ``DeadLetterFailed`` (a PermanentError) in
 ``consumerdedup.dedup``, ``UnknownConsumer`` and ``RetentionUnknown`` in
 ``consumerdedup.prune``, the HTTP errors in ``consumerdedup.http``, and each
 adapter's ``errors`` module (its own BrokerUnavailable and DestinationMissing
-subclasses, and ``BrokerRefused``, a ConfigurationError).
+subclasses, ``BrokerRefused``, a ConfigurationError, and ``AuthenticationFailed``
+under both).
 
 How a failure becomes text (for logs, the error column and dead-letter
 headers) is ``consumerdedup.reasons``; this module imports nothing.
@@ -39,6 +41,12 @@ class ConsumerDedupError(Exception):
 
 class ConfigurationError(ConsumerDedupError, ValueError):
     """A setting is invalid: caught at construction, before any message flows."""
+
+
+class AuthenticationFailed(ConfigurationError):
+    """The broker or the database answered and refused the credentials (RabbitMQ
+    ACCESS_REFUSED, a Kafka SASL failure, PostgreSQL's "password authentication failed"):
+    fatal for the relay and the runners alike, never a BrokerUnavailable retried forever."""
 
 
 class PermanentError(ConsumerDedupError):

@@ -121,6 +121,14 @@ def describe(error: BaseException) -> str:
     return line if len(line) <= REASON_LIMIT else line[: REASON_LIMIT - 3] + "..."
 
 
+def authentication_refused(error: BaseException) -> bool:
+    """The database refused the credentials (SQLSTATE 28P01, or libpq's words at connect)."""
+    orig = getattr(error, "orig", None) or error
+    if getattr(orig, "sqlstate", None) == "28P01":
+        return True
+    return "password authentication failed for user" in str(orig)
+
+
 def mask_passwords(text: str) -> str:
     """``scheme://user:***@host`` and ``password=***``, wherever they stand in ``text``."""
     return _DSN_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))

@@ -12,6 +12,7 @@ from consumerdedup.headers import SOURCE_HEADER
 from .config import DEFAULT_BOOTSTRAP, KafkaConfig, KeyFunction
 from .convert import BODY_DROPPED_HEADER, OFFSET_HEADER, PARTITION_HEADER
 from .errors import (
+    AuthenticationFailed,
     BrokerRefused,
     BrokerUnavailable,
     KafkaAdapterError,
@@ -28,6 +29,7 @@ __all__ = [
     "OFFSET_HEADER",
     "PARTITION_HEADER",
     "SOURCE_HEADER",
+    "AuthenticationFailed",
     "BrokerRefused",
     "BrokerUnavailable",
     "KafkaAdapterError",

@@ -11,8 +11,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
+from aiokafka import errors as kafka_errors
+from aiokafka.conn import create_conn  # type: ignore[import-untyped]
 
 from consumerdedup import ConfigurationError
+from consumerdedup.reasons import describe
+
+from .errors import AuthenticationFailed
 
 RUNNER_OWNED = {"bootstrap_servers", "group_id", "enable_auto_commit"}
 PUBLISHER_OWNED = {"bootstrap_servers", "acks", "enable_idempotence"}
@@ -110,3 +115,60 @@ def producer_settings(
 
 def producer(settings: Mapping[str, Any]) -> Any:
     return AIOKafkaProducer(**settings)
+
+
+SASL_FAILURES: tuple[type[BaseException], ...] = (
+    kafka_errors.SaslAuthenticationFailed,
+    kafka_errors.AuthenticationFailedError,
+    kafka_errors.AuthenticationMethodNotSupported,
+    kafka_errors.UnsupportedSaslMechanismError,
+    kafka_errors.IllegalSaslStateError,
+)
+"""aiokafka's words for refused SASL credentials or mechanism: AuthenticationFailed, fatal."""
+
+
+def authentication_failed(exc: BaseException, where: object) -> AuthenticationFailed:
+    """AuthenticationFailed for a SASL failure, naming the broker and the options to check."""
+    return AuthenticationFailed(
+        f"the Kafka broker at {where} refused the credentials ({describe(exc)}): check "
+        "sasl_mechanism, sasl_plain_username and sasl_plain_password (or the security_protocol)"
+    )
+
+
+_SASL_OPTIONS = (
+    "ssl_context",
+    "security_protocol",
+    "sasl_mechanism",
+    "sasl_plain_username",
+    "sasl_plain_password",
+    "sasl_kerberos_service_name",
+    "sasl_kerberos_domain_name",
+    "sasl_oauth_token_provider",
+)
+
+
+async def sasl_refusal(
+    bootstrap_servers: str | Sequence[str], options: Mapping[str, Any]
+) -> BaseException | None:
+    """Why the first bootstrap server refuses our SASL handshake, or None.
+
+    aiokafka logs a SASL failure during its bootstrap and raises only "Unable to
+    bootstrap" (a KafkaConnectionError, BrokerUnavailable to us, retried forever); after
+    such a failure with a SASL security_protocol, one connection of our own asks again,
+    and its error says whether the credentials were the cause.
+    """
+    if not str(options.get("security_protocol", "")).startswith("SASL"):
+        return None
+    entries = (
+        bootstrap_servers.split(",") if isinstance(bootstrap_servers, str) else bootstrap_servers
+    )
+    host, port = _host_port(next(iter(entries)).strip())
+    settings = {k: options[k] for k in _SASL_OPTIONS if k in options}
+    try:
+        conn = await create_conn(host, port or 9092, request_timeout_ms=10000, **settings)
+    except SASL_FAILURES as exc:
+        return exc
+    except Exception:  # unreachable, or another failure: not the credentials
+        return None
+    conn.close()
+    return None

@@ -31,3 +31,7 @@ class BrokerRefused(KafkaAdapterError, ConfigurationError):
 class PublishRefused(PublishFailed):
     """The broker (or the client) refused this record for good (too large, no right to the
     topic, invalid): sending the same record again cannot succeed."""
+
+
+class AuthenticationFailed(BrokerRefused, errors.AuthenticationFailed):
+    """The broker refused the SASL credentials (or the mechanism): fatal, never retried."""

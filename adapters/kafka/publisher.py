@@ -85,6 +85,11 @@ class KafkaPublisher(AsyncPublisher):
                 await producer.start()
             except BaseException as exc:
                 await producer.stop()
+                where = self._settings["bootstrap_servers"]
+                if isinstance(exc, KafkaError) and (
+                    sasl := await connection.sasl_refusal(where, self._settings)
+                ):
+                    raise connection.authentication_failed(sasl, where) from exc
                 if isinstance(exc, KafkaError):
                     # Raised from start() too, also through ``async with`` (the outbox
                     # relay enters the publisher before its first send): a broker that
@@ -177,6 +182,8 @@ def _start_failure(exc: KafkaError, settings: Mapping[str, Any]) -> PublishFaile
     """A producer that cannot start: no broker answers (retriable, BrokerUnavailable), or one
     refuses it (BrokerRefused, a ConfigurationError naming what to change)."""
     reason = f"cannot start the Kafka producer: {describe(exc)}"
+    if isinstance(exc, connection.SASL_FAILURES):
+        return connection.authentication_failed(exc, settings["bootstrap_servers"])
     if getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError):
         return BrokerUnavailable(reason)
     where = settings["bootstrap_servers"]

@@ -107,7 +107,14 @@ class KafkaConsumerRunner(ConsumerRunner):
         self._lock = asyncio.Lock()  # bound to this run's event loop
         self.consumer = consumer
         try:
-            await consumer.start()
+            try:
+                await consumer.start()
+            except KafkaError as exc:  # refused credentials are fatal: retrying cannot fix them
+                where, options = self.bootstrap_servers, cfg.consumer_options
+                sasl = exc if isinstance(exc, connection.SASL_FAILURES) else None
+                if sasl or (sasl := await connection.sasl_refusal(where, options)):
+                    raise connection.authentication_failed(sasl, where) from exc
+                raise
             # Now, not at the first dead letter: a producer the broker will not start (an
             # idempotent one on Tansu) is a setup fault (BrokerRefused, a ConfigurationError
             # naming idempotent_producer=False), said before any record is read.

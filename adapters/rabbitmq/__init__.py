@@ -13,6 +13,7 @@ from consumerdedup.outbox.publisher import Publisher
 from .config import DEFAULT_URL, KeyFunction, RabbitConfig
 from .convert import BODY_DROPPED_HEADER, Delivery
 from .errors import (
+    AuthenticationFailed,
     BrokerRefused,
     BrokerUnavailable,
     ExchangeMissing,
@@ -30,6 +31,7 @@ __all__ = [
     "BODY_DROPPED_HEADER",
     "DEFAULT_URL",
     "SOURCE_HEADER",
+    "AuthenticationFailed",
     "BrokerRefused",
     "BrokerUnavailable",
     "Delivery",

@@ -18,7 +18,7 @@ from consumerdedup import ConfigurationError
 from consumerdedup.retry import Backoff
 
 from . import undecodable  # noqa: F401  (installs the decoder that reads what pika cannot)
-from .errors import BrokerRefused, BrokerUnavailable
+from .errors import AuthenticationFailed, BrokerRefused, BrokerUnavailable
 
 log = logging.getLogger("consumerdedup.rabbitmq")
 
@@ -29,6 +29,8 @@ _REFUSED = (
     pika.exceptions.ProbableAccessDeniedError,
     pika.exceptions.IncompatibleProtocolError,
 )
+_AUTHENTICATION = (pika.exceptions.AuthenticationError, pika.exceptions.ProbableAuthenticationError)
+"""ACCESS_REFUSED on login: the user or the password (AuthenticationFailed)."""
 # pika raises its own (not an AMQPConnectionError) when a port takes the TCP connection and
 # never answers the AMQP handshake: not a RabbitMQ port, or one too busy to answer.
 _UNANSWERED = (pika.exceptions.AMQPConnectionError, AMQPConnectorStackTimeout)
@@ -99,6 +101,11 @@ def connect(
     where = f"{params.host}:{params.port}"
     try:
         return retrying(pika.BlockingConnection, params)
+    except _AUTHENTICATION as exc:
+        raise AuthenticationFailed(
+            f"RabbitMQ at {where} refused the credentials of user {params.credentials.username!r} "
+            f"({type(exc).__name__}: {_reply(exc)}): check the user and password in the URL"
+        ) from exc
     except _REFUSED as exc:
         raise BrokerRefused(
             f"RabbitMQ at {where} refused the connection ({type(exc).__name__}: "

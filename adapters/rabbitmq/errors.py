@@ -41,3 +41,7 @@ class BrokerRefused(RabbitError, ConfigurationError):
 class PublishRefused(PublishFailed):
     """The broker refused this message for good (over ``max_message_size``, no access to the
     exchange): publishing the same message again cannot succeed."""
+
+
+class AuthenticationFailed(BrokerRefused, errors.AuthenticationFailed):
+    """RabbitMQ refused the user or the password (ACCESS_REFUSED): fatal, never retried."""

@@ -75,7 +75,20 @@ def parse_url(raw: str | None, secrets: Secrets) -> URL:
             f"unsupported database {url.get_backend_name()!r}: "
             f"only {' and '.join(SUPPORTED)} are supported"
         )
+    check_address(url)
     return url
+
+
+def check_address(url: URL) -> None:
+    """UsageError for a database URL that parses but cannot name a server: a port out of
+    range, an unescaped @ in the password (it ends up in the host). Never quotes the URL."""
+    if url.port is not None and not 0 < url.port < 65536:
+        raise UsageError(f"the database URL's port must be 1 to 65535, got {url.port}")
+    if url.host and any(c in url.host for c in "@/ "):
+        raise UsageError(
+            "the database URL's host holds '@', '/' or a space: percent-encode them in the "
+            "user and password (@ as %40, / as %2F)"
+        )
 
 
 def open_database(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
@@ -94,6 +107,8 @@ def open_database(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
         return url, create_engine(url), tables
     except (NoSuchModuleError, ImportError) as error:
         raise UsageError(f"no driver for {url.drivername!r}: {describe(error)}") from error
+    except ArgumentError as error:  # SQLAlchemy's dialect refuses the URL's form
+        raise UsageError(f"invalid database URL: {describe(error)}") from None
 
 
 def missing_tables(engine: Engine, tables: Tables) -> list[Table]:

@@ -22,7 +22,8 @@ from typing import NoReturn, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
-from ..reasons import describe
+from ..errors import AuthenticationFailed
+from ..reasons import authentication_refused, describe
 from . import demo, failed, init_db, prune, relay, stats
 from .common import ENV_URL, PROG, CommandError
 from .redact import Secrets
@@ -109,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def error_line(error: Exception) -> str:
     if isinstance(error, CommandError):
         return str(error)
+    if isinstance(error, DBAPIError) and authentication_refused(error):
+        return f"{AuthenticationFailed.__name__}: {describe(error.orig or error)}"
     if isinstance(error, DBAPIError) and error.orig is not None:
         return f"database error: {describe(error.orig)}"
     return describe(error)

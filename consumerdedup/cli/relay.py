@@ -1,7 +1,8 @@
 """``consumerdedup relay``: move committed outbox rows to Kafka or RabbitMQ until SIGTERM.
 
 ``--once`` publishes everything that can go now and exits (for cron or a
-deploy step); otherwise the relay runs until SIGTERM/SIGINT, finishing its
+deploy step): 0 if all went, or some went; 1 if the broker could not be reached
+or events waited and none went out; otherwise the relay runs until SIGTERM/SIGINT, finishing its
 round before it exits 0.
 """
 
@@ -16,7 +17,7 @@ from ..errors import ConfigurationError
 from ..outbox.publisher import AsyncPublisher, Publisher
 from ..outbox.relay import OutboxRelay, RelayConfig
 from ..reasons import describe
-from .common import Renamed, UsageError, open_database, require_tables
+from .common import CommandError, Renamed, UsageError, open_database, require_tables
 from .redact import shown
 
 NAME = "relay"
@@ -95,6 +96,22 @@ def _publisher(args: argparse.Namespace) -> Publisher | AsyncPublisher:
     return publisher
 
 
+def _once_status(args: argparse.Namespace, broker_away: bool, count: int, waiting: int) -> None:
+    """``--once`` fails (exit 1) when the broker could not be reached, or when events waited
+    and none went out: cron and CI must be able to alert."""
+    broker = f"Kafka at {args.kafka}" if args.kafka else "RabbitMQ (--rabbitmq)"
+    if broker_away:
+        raise CommandError(
+            f"{broker} could not be reached; {waiting} event(s) waiting: check the broker's "
+            "address and that it runs"
+        )
+    if waiting and not count:
+        raise CommandError(
+            f"{waiting} event(s) waiting and none published: see the warnings above, or "
+            "`consumerdedup stats` for their last errors"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     publisher = _publisher(args)  # before the database: a bad address is said first
     url, engine, tables = open_database(args)
@@ -111,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     with OutboxRelay(engine, publisher, tables=tables, config=config) as relay:
         if args.once:
             count = relay.drain()
-            print(f"published {count} event(s); {relay.backlog()} waiting ({shown(url)})")
+            waiting = relay.backlog()
+            print(f"published {count} event(s); {waiting} waiting ({shown(url)})", flush=True)
+            _once_status(args, relay.broker_away, count, waiting)
         else:
             relay.on_signals()
             print(f"relay running on {shown(url)}; SIGTERM or SIGINT stops it", flush=True)

@@ -215,6 +215,11 @@ class OutboxRelay(StopSwitch):
         """``wait_drained`` for asyncio code."""
         return await asyncio.to_thread(self.wait_drained, timeout)
 
+    @property
+    def broker_away(self) -> bool:
+        """The last round ended because the broker could not be reached (nothing charged)."""
+        return self._broker_trouble
+
     def parked(self) -> list[tuple[str, str | None]]:
         """(event_id, last_error) of rows that failed too often and are no longer tried."""
         with self.engine.connect() as conn:

@@ -211,7 +211,7 @@ def test_the_relay_command_says_refused_credentials_in_one_line(db: Any, amqp_ur
     )
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "BrokerRefused" in lines[0], done.stderr
+    assert len(lines) == 1 and "AuthenticationFailed" in lines[0], done.stderr  # a BrokerRefused
     assert "Wr0ng-Pw" not in done.stdout + done.stderr
     with db.engine.connect() as conn:
         assert conn.execute(select(db.tables.outbox.c.attempts)).scalars().all() == [0]
