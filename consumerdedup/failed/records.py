@@ -87,9 +87,10 @@ def list_failed(
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
         raise ConfigurationError(f"limit must be an int in 1..{MAX_LIMIT}, got {limit!r}")
     pe = tables.processed_events
-    query = _select(pe, filters or Filters())
+    filters = filters or Filters()
+    query = _select(pe, filters)
     if after is not None:
-        query = query.where(tuple_(pe.c.consumer, pe.c.message_id) > tuple_(*decode(after)))
+        query = query.where(_after(pe, decode(after), filters))
     query = query.order_by(pe.c.consumer, pe.c.message_id).limit(limit + 1)
     with engine.connect() as conn:
         rows = conn.execute(query).all()
@@ -158,6 +159,18 @@ def decode(cursor: str) -> tuple[str, str]:
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         pass
     raise ConfigurationError("not a cursor from an earlier page (--after)")
+
+
+def _after(pe: Table, key: tuple[str, str], filters: Filters) -> Any:
+    """The keyset condition. With one consumer, on message_id alone: PostgreSQL starts its
+    index scan at the equality on consumer when a row comparison is beside it, and would
+    walk from the consumer's first row on every page (measured: 12 ms near the start,
+    62 ms 100,000 records deep)."""
+    consumer, message_id = key
+    if consumer == filters.consumer:  # a cursor of this walk: always, with a consumer
+        return pe.c.message_id > message_id
+    # The database's collation decides (a cursor reused under another filter: rare).
+    return tuple_(pe.c.consumer, pe.c.message_id) > tuple_(consumer, message_id)
 
 
 def _select(pe: Table, filters: Filters) -> Any:
