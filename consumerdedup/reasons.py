@@ -121,12 +121,20 @@ def describe(error: BaseException) -> str:
     return line if len(line) <= REASON_LIMIT else line[: REASON_LIMIT - 3] + "..."
 
 
+_REFUSED_LOGIN = re.compile(
+    r'password authentication failed for user "|role "[^"]*" does not exist'
+    r'|role "[^"]*" is not permitted to log in'
+)
+"""libpq's words at connect for SQLSTATE class 28 (psycopg gives no SQLSTATE there)."""
+
+
 def authentication_refused(error: BaseException) -> bool:
-    """The database refused the credentials (SQLSTATE 28P01, or libpq's words at connect)."""
+    """The database refused the login: SQLSTATE class 28 (invalid authorization: a wrong
+    password, a role that does not exist or may not log in), by code or by libpq's words."""
     orig = getattr(error, "orig", None) or error
-    if getattr(orig, "sqlstate", None) == "28P01":
+    if (getattr(orig, "sqlstate", None) or "").startswith("28"):
         return True
-    return "password authentication failed for user" in str(orig)
+    return bool(_REFUSED_LOGIN.search(str(orig)))
 
 
 def mask_passwords(text: str) -> str:

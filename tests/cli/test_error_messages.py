@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import uuid
 from typing import Any
 
 import pika  # type: ignore[import-untyped]
 import psycopg
 import pytest
+from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
@@ -65,9 +67,28 @@ def test_a_wrong_database_role_or_port_says_which_and_what_to_check(
     }[wrong]
     run = cli("stats", "--db", url.render_as_string(hide_password=False))
     run.assert_one_line_error(1, PASSWORD)
+    assert ("AuthenticationFailed" in run.err) is (wrong == "role"), run.err
     assert said in run.err and f'"{url.host}"' in run.err, run.err
     fix = {"database": "check the database name", "role": "check the user (role)"}
     assert fix.get(wrong, f"check the host and port in the URL ({url.host}:{CLOSED})") in run.err
+
+
+@pytest.mark.postgres
+def test_a_role_that_may_not_log_in_is_authentication_failed(postgres_url: str) -> None:
+    role = f"cdd_nologin_{uuid.uuid4().hex[:8]}"
+    engine = create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role} NOLOGIN")
+    try:
+        url = make_url(postgres_url).set(drivername="postgresql", username=role)
+        run = cli("stats", "--db", url.set(password=PASSWORD).render_as_string(False))
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP ROLE {role}")
+        engine.dispose()
+    run.assert_one_line_error(1, PASSWORD)
+    assert run.err.startswith("consumerdedup: error: AuthenticationFailed: "), run.err
+    assert f'role "{role}" is not permitted to log in: grant that role LOGIN' in run.err
 
 
 def test_a_refused_database_password_is_authentication_failed() -> None:
