@@ -1,10 +1,12 @@
 """A bad deploy on Kafka (Tansu), recovered with ``failed replay --kafka``: the dead-letter
 topic's records re-produced to their source topic, the replay group's offsets on the DLQ
-committed after; a replay that dies between a copy's ack and the commit doubles nothing."""
+committed after; a replay killed between a copy's ack and the commit doubles nothing."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -16,7 +18,7 @@ from sqlalchemy import text
 
 from consumerdedup import Deduplicator, Message, RetryPolicy
 from consumerdedup.adapters.kafka import KafkaConsumerRunner
-from consumerdedup.failed import kafka as replaying
+from consumerdedup.cli.failed import PAUSE_AFTER
 from tests.conftest import Database
 from tests.support.kafka_service import (  # noqa: F401
     KafkaService,
@@ -28,10 +30,6 @@ from tests.support.kafka_service import (  # noqa: F401
 ROOT = Path(__file__).resolve().parents[2]
 ONCE = RetryPolicy(attempts=1, initial_delay=timedelta(0), max_delay=timedelta(0))
 IDS = [f"order-{n}" for n in range(1, 6)]
-
-
-class Crash(Exception):
-    """The replay dies after a copy was acknowledged, before the DLQ offsets are committed."""
 
 
 class Shop:
@@ -69,8 +67,8 @@ class Shop:
         with self.db.engine.connect() as conn:
             return sorted(r[0] for r in conn.execute(text(f"SELECT message_id FROM {self.ledger}")))
 
-    def replay_cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        command = [
+    def command(self, *args: str) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "consumerdedup",
@@ -86,7 +84,11 @@ class Shop:
             "--processed-events-table",
             self.db.tables.processed_events.fullname,
         ]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    def replay_cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            self.command(*args), capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
         print(
             f"$ consumerdedup failed replay --kafka ... {' '.join(args)}\n{done.stdout}"
             f"{done.stderr}"
@@ -122,31 +124,29 @@ async def test_a_bad_deploy_recovered_with_failed_replay_kafka(shop: Shop, topic
     assert "replayed 0 dead letter(s)" in again.stdout, again.stdout
 
 
-async def test_a_replay_dying_before_its_commit_doubles_nothing(shop: Shop, topics: Topics) -> None:
+async def test_a_replay_killed_before_its_commit_doubles_nothing(shop: Shop) -> None:
+    """SIGKILL after the third copy was acknowledged: no offset was committed yet."""
     shop.field = "item"
-    confirmed: list[str] = []
-
-    def die_at_the_third(letter: Any) -> None:
-        confirmed.append(letter.message_id)
-        if len(confirmed) == 3:
-            raise Crash
-
-    dlq = shop.topic + ".dlq"
-    with pytest.raises(Crash):
-        await replaying.replay_async(
-            shop.db.engine,
-            shop.kafka.bootstrap,
-            dlq,
-            tables=shop.db.tables,
-            on_confirmed=die_at_the_third,
-        )
+    process = subprocess.Popen(
+        shop.command("--yes"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, PAUSE_AFTER: "3"},
+    )
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(4)]
+        assert lines[-1].startswith("paused"), lines
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
     await shop.consume()  # the three copies apply
     assert shop.applied() == IDS[:3]
-    report = await replaying.replay_async(
-        shop.db.engine, shop.kafka.bootstrap, dlq, tables=shop.db.tables
-    )
-    # Nothing was committed: all five go again; the three completed records are kept.
-    assert [letter.message_id for letter in report.replayed] == IDS
-    assert report.forgotten == 0 and report.kept == []
+    done = shop.replay_cli("--yes")
+    # Nothing was committed: all five go again; the three completed records are kept
+    # (the killed run had forgotten its whole batch first).
+    assert "replayed 5 dead letter(s)" in done.stdout and "forgot 0 FAILED" in done.stdout
     await shop.consume()
     assert shop.applied() == IDS and shop.outcomes() == dict.fromkeys(IDS, "processed")
