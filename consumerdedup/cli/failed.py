@@ -145,6 +145,9 @@ def _list(args: argparse.Namespace) -> int:
         found = [record.as_dict() for record in page.records]
         print(json.dumps({"records": found, "next_cursor": page.next_cursor}, indent=2))
         return 0
+    if not page.records:
+        print("no FAILED records" + (" after this cursor" if args.after else ""))
+        return 0
     _table(page.records)
     print(f"next page: --after {page.next_cursor}" if page.next_cursor else "(last page)")
     return 0
