@@ -173,7 +173,9 @@ def test_sql_on_sqlite_creates_no_file(tmp_path: Path) -> None:
     path = tmp_path / "never.db"
     run = cli("init-db", "--sql", "--db", f"sqlite:///{path}")
     assert run.code == 0, run.err
-    assert run.out.count("CREATE TABLE") == 3
+    # processed_events, outbox, idempotency_keys and the schema version table (bc9a989)
+    assert run.out.count("CREATE TABLE") == 4
+    assert "CREATE TABLE consumerdedup_schema" in run.out
     assert not path.exists()
 
 
