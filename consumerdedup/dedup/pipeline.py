@@ -94,6 +94,7 @@ class Pipeline:
             return self._transaction_failed(batch, span, failed.error)
 
     def _claim_first(self, batch: Batch, span: list[Item]) -> Attempt:
+        """Claim the keys (a twin then waits on them), look up the rest, handle, commit."""
         runnable = [item for item in span if item.state is not State.FAILING]
         claimed = yield from self.records.write(runnable, [])
         unknown = yield from self.records.look_up([i for i in span if i.key not in claimed])
@@ -111,6 +112,7 @@ class Pipeline:
         return (yield from self._commit(batch, fresh, [], failing))
 
     def _check_first(self, batch: Batch, span: list[Item]) -> Attempt:
+        """Look the keys up, handle the unknown ones, write every record last, commit."""
         unknown = yield from self.records.look_up(span)
         fresh = [item for item in unknown if item.state is not State.FAILING]
         culprit = yield from self._handle(fresh)
