@@ -1,0 +1,116 @@
+"""``doctor``: check a deployment, one ``Check`` per line (ok / warn / FAIL) with its fix.
+
+``diagnose(engine, tables)`` runs every check and returns the list; a FAIL is a
+problem that breaks a guarantee or stops work (exit non-zero), a warn is
+worth a look. Each check is a small function of ``checks`` (the database, its
+tables, indexes, trigger and version) or ``health`` (partitions, the outbox,
+records past their window, the broker's retention). Nothing here changes the
+database: the write probe on SQLite rolls back, on PostgreSQL it asks
+``has_table_privilege``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import Engine
+
+from ..prune.windows import BrokerRetention
+from ..schema import DEFAULT, Tables
+
+__all__ = ["Check", "Settings", "diagnose", "failed", "startup_checks"]
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the checklist: what was checked, how it stands, what was seen, the fix."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the checks compare against; the windows as ``prune`` takes them.
+
+    ``retention`` is every consumer's window, ``windows`` a consumer's own (None: kept
+    forever); ``broker`` the retention a broker reported for ``consumers``.
+    """
+
+    retention: timedelta | None = None
+    windows: Mapping[str, timedelta | None] = field(default_factory=dict)
+    buffer: timedelta | None = None
+    broker: BrokerRetention | None = None
+    consumers: Sequence[str] = ()
+    max_attempts: int = 10
+    outbox_max_age: timedelta = timedelta(minutes=5)
+    now: datetime | None = None
+
+    def at(self) -> datetime:
+        return self.now or datetime.now(UTC)
+
+
+def diagnose(
+    engine: Engine, tables: Tables = DEFAULT, settings: Settings | None = None
+) -> list[Check]:
+    """Every check, in order; those that need what an earlier one found missing are left out."""
+    from . import checks, health
+
+    settings = settings or Settings()
+    found = [checks.engine_settings(engine)]
+    try:
+        conn = engine.connect()
+    except Exception as error:
+        return [*found, checks.unreachable(engine, error)]
+    with conn:
+        found.append(checks.reachable(conn))
+        structure, present = checks.tables(conn, tables)
+        found.append(structure)
+        found += checks.layout(conn, tables, present)
+        if present:
+            found.append(checks.write_rights(conn, tables, present))
+        if tables.outbox.fullname in present:
+            found += checks.notify_trigger(conn, tables)
+        found.append(checks.schema_version(conn, tables, present))
+        data = {t.fullname for t in tables.all} <= present
+        if data:
+            found += health.partitions(conn, tables)
+            found += health.outbox(conn, tables, settings)
+            found.append(health.old_records(conn, tables, settings))
+        found += health.broker_windows(settings)
+        if conn.in_transaction():
+            conn.rollback()
+    return found
+
+
+def startup_checks(engine: Engine, tables: Tables = DEFAULT) -> list[Check]:
+    """The cheap part, for a runner or relay at start: reachable, tables present, rights."""
+    from . import checks
+
+    found = [checks.engine_settings(engine)]
+    try:
+        conn = engine.connect()
+    except Exception as error:
+        return [*found, checks.unreachable(engine, error)]
+    with conn:
+        found.append(checks.reachable(conn))
+        structure, present = checks.tables(conn, tables)
+        found.append(structure)
+        if present:
+            found.append(checks.write_rights(conn, tables, present))
+        if conn.in_transaction():
+            conn.rollback()
+    return found
+
+
+def failed(found: Sequence[Check]) -> list[Check]:
+    return [c for c in found if c.status == FAIL]

@@ -1,0 +1,173 @@
+"""The deployment's structure: engine settings, the connection, tables, indexes, rights,
+the NOTIFY trigger and the schema version. Catalog reads only (``db.catalog``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sqlalchemy import Connection, Engine, insert, text
+
+from ..db import catalog
+from ..db.dialects import require_transactional
+from ..db.names import table_sql
+from ..errors import ConfigurationError
+from ..reasons import authentication_refused, describe
+from ..schema import (
+    _AFTER_INSERT_FOR_EACH_STATEMENT,
+    NOTIFY_BODY,
+    SCHEMA_VERSION,
+    Tables,
+    installed_version,
+    notify_channel_of,
+    utcnow,
+)
+from . import FAIL, OK, WARN, Check
+
+INIT_DB = "run `consumerdedup init-db` (or install()), which makes only what is missing"
+_RIGHTS = ("SELECT", "INSERT", "UPDATE", "DELETE")
+
+
+def engine_settings(engine: Engine) -> Check:
+    """AUTOCOMMIT, or a driver whose transaction state cannot be read, breaks every promise."""
+    try:
+        require_transactional(engine, "the engine")
+    except ConfigurationError as error:
+        text_, _, fix = str(error).partition("; ")
+        return Check("engine", FAIL, text_, fix)
+    level = engine.get_execution_options().get("isolation_level") or getattr(
+        engine.dialect, "_on_connect_isolation_level", None
+    )
+    shown = f", isolation {level}" if level else ""
+    return Check("engine", OK, f"{engine.dialect.name}+{engine.dialect.driver}{shown}")
+
+
+def unreachable(engine: Engine, error: Exception) -> Check:
+    where = engine.url.render_as_string(hide_password=True)
+    if authentication_refused(error):
+        fix = "check the user and password in the URL (or create the role, GRANT it LOGIN)"
+    else:
+        fix = "check the host, port and database name in the URL, and that the server runs"
+    return Check("database", FAIL, f"cannot connect to {where}: {describe(error)}", fix)
+
+
+def reachable(conn: Connection) -> Check:
+    if conn.dialect.name == "postgresql":
+        user, version = conn.execute(text("SELECT current_user, version()")).one()
+        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        said = f"connected to {database} as {user} ({' '.join(str(version).split()[:2])})"
+    else:
+        version = conn.execute(text("SELECT sqlite_version()")).scalar_one()
+        said = f"connected to {conn.engine.url.database or ':memory:'} (SQLite {version})"
+    return Check("database", OK, said)
+
+
+def tables(conn: Connection, tables: Tables) -> tuple[Check, set[str]]:
+    present = catalog.existing(conn, tables.owned)
+    missing = [t.fullname for t in tables.owned if t.fullname not in present]
+    if missing:
+        return Check("tables", FAIL, f"missing: {', '.join(missing)}", INIT_DB), present
+    return Check("tables", OK, ", ".join(t.fullname for t in tables.owned)), present
+
+
+def layout(conn: Connection, tables: Tables, present: set[str]) -> list[Check]:
+    """Columns and indexes each present table lacks (a migration may have dropped one)."""
+    columns: list[str] = []
+    indexes: list[str] = []
+    for table in tables.owned:
+        if table.fullname not in present:
+            continue
+        columns += [f"{table.fullname}.{c.name}" for c in catalog.missing_columns(conn, table)]
+        indexes += [f"{i.name} on {table.fullname}" for i in catalog.missing_indexes(conn, table)]
+    found = []
+    if columns:
+        found.append(Check("columns", FAIL, f"missing: {', '.join(columns)}", INIT_DB))
+    else:
+        found.append(Check("columns", OK, "every column present"))
+    if indexes:
+        detail = f"missing or invalid: {', '.join(indexes)}"
+        found.append(Check("indexes", FAIL, detail, INIT_DB))
+    else:
+        count = sum(len(t.indexes) for t in tables.owned if t.fullname in present)
+        found.append(Check("indexes", OK, f"all {count} present and valid"))
+    return found
+
+
+def write_rights(conn: Connection, tables: Tables, present: set[str]) -> Check:
+    """PostgreSQL: has_table_privilege for each right the library uses; SQLite: an INSERT
+    into the version table, rolled back (a read-only file or directory refuses it)."""
+    if conn.dialect.name != "postgresql":
+        return _sqlite_probe(conn, tables, present)
+    lacking = []
+    for table in tables.owned:
+        if table.fullname not in present:
+            continue
+        for right in _RIGHTS:
+            statement = text("SELECT has_table_privilege(to_regclass(:t), :r)")
+            if not conn.execute(statement, {"t": table_sql(table), "r": right}).scalar():
+                lacking.append(f"{right} on {table.fullname}")
+    user = conn.execute(text("SELECT current_user")).scalar_one()
+    if lacking:
+        fix = f"GRANT {', '.join(_RIGHTS)} ON the tables TO {user}"
+        return Check("rights", FAIL, f"{user} lacks {', '.join(lacking)}", fix)
+    return Check("rights", OK, f"{user} may {', '.join(_RIGHTS)} on every table")
+
+
+def _sqlite_probe(conn: Connection, tables: Tables, present: set[str]) -> Check:
+    vt = tables.version_table
+    if vt.fullname not in present:
+        return Check("rights", WARN, f"not probed: {vt.fullname} is missing", INIT_DB)
+    if conn.in_transaction():
+        conn.rollback()
+    try:
+        with conn.begin() as probe:
+            row = {"table_name": "doctor probe", "version": 0, "installed_at": utcnow()}
+            conn.execute(insert(vt).values(**row))
+            probe.rollback()
+    except Exception as error:
+        fix = "make the database file and its directory writable by this user"
+        return Check("rights", FAIL, f"a write was refused: {describe(error)}", fix)
+    return Check("rights", OK, "a probe INSERT (rolled back) succeeded")
+
+
+def notify_trigger(conn: Connection, tables: Tables) -> list[Check]:
+    """PostgreSQL: the outbox's trigger, enabled, calling our function, which notifies the
+    channel relays listen on (the outbox's OID)."""
+    if conn.dialect.name != "postgresql":
+        return []
+    outbox = tables.outbox
+    oid = conn.execute(text("SELECT CAST(to_regclass(:t) AS oid)"), {"t": table_sql(outbox)})
+    channel = notify_channel_of(int(oid.scalar_one()))
+    trigger_name, function_name = tables.notify_names
+    function = catalog.function(conn, outbox.schema, function_name)
+    found = catalog.trigger(conn, outbox, trigger_name)
+    fix = f"{INIT_DB}; relays poll every poll_interval until then"
+    if function is None or found is None:
+        what = "trigger" if found is None else "function"
+        missing = trigger_name if found is None else f"{function_name}()"
+        detail = f"{what} {missing} on {outbox.fullname} is missing: relays are never woken"
+        return [Check("notify trigger", FAIL, detail, fix)]
+    if function[1] != NOTIFY_BODY:
+        detail = f"{function_name}() does not notify {channel}, the channel relays listen on"
+        return [Check("notify trigger", FAIL, detail, fix)]
+    expected = catalog.Trigger(function[0], _AFTER_INSERT_FOR_EACH_STATEMENT, "O", 0, False)
+    if found not in (expected, replace(expected, enabled="A")):
+        state = "disabled" if found.enabled == "D" else "not AFTER INSERT FOR EACH STATEMENT"
+        return [Check("notify trigger", FAIL, f"{trigger_name} is {state}", fix)]
+    return [Check("notify trigger", OK, f"{trigger_name} notifies {channel}")]
+
+
+def schema_version(conn: Connection, tables: Tables, present: set[str]) -> Check:
+    if tables.version_table.fullname not in present:
+        return Check("schema version", FAIL, "no version recorded", INIT_DB)
+    version = installed_version(conn, tables)
+    if version is None:
+        detail = f"not recorded for every table (this release: {SCHEMA_VERSION})"
+        return Check("schema version", WARN, detail, INIT_DB)
+    if version < SCHEMA_VERSION:
+        detail = f"{version}, older than this release's {SCHEMA_VERSION}"
+        fix = "apply this release's migration (docs/migrations.md), or run init-db"
+        return Check("schema version", FAIL, detail, fix)
+    if version > SCHEMA_VERSION:
+        detail = f"{version}, newer than this release's {SCHEMA_VERSION} (a rolling deploy?)"
+        return Check("schema version", WARN, detail, "upgrade consumerdedup on this host")
+    return Check("schema version", OK, f"{version}, this release's")

@@ -1,0 +1,156 @@
+"""The deployment at work: partitions, the outbox's backlog, records past their window,
+each consumer's window against its broker's retention."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import ColumnElement, Connection, column, func, inspect, select
+
+from .. import durations
+from ..db.partitions import AHEAD, DayPartitions
+from ..prune.windows import keep_for
+from ..schema import Tables
+from . import FAIL, OK, WARN, Check, Settings
+
+PRUNE = "run `consumerdedup prune --every 1h ...` (or a Pruner) with these windows"
+
+
+def _age(now: datetime, then: datetime) -> str:
+    seconds = int((now - _aware(then)).total_seconds())
+    return durations.render(timedelta(seconds=max(seconds, 1)))
+
+
+def partitions(conn: Connection, tables: Tables) -> list[Check]:
+    """A partitioned processed_events (PostgreSQL): no rows in DEFAULT, days made ahead."""
+    if conn.dialect.name != "postgresql":
+        return []
+    days = DayPartitions(tables.processed_events)
+    summary = days.summary(conn)
+    if summary is None:
+        return []
+    found = []
+    stuck = summary["rows_in_default"]
+    default = days.qualified(days.default_name)
+    if stuck:
+        detail = f"{stuck:,} row(s) in {default}: their days cannot get a partition, and go "
+        detail += "only by batch DELETE"
+        fix = "run the pruner daily (it makes days ahead); the rows go once past their window"
+        found.append(Check("default partition", FAIL, detail, fix))
+    else:
+        found.append(Check("default partition", OK, f"{default} is empty"))
+    newest = summary["newest_to"]
+    ahead = (datetime.fromisoformat(newest) - datetime.now(UTC)) if newest else None
+    fix = "run install() or the pruner (each makes the days ahead)"
+    if ahead is None or ahead <= timedelta(0):
+        detail = "no partition for today: new rows go to DEFAULT"
+        found.append(Check("days ahead", FAIL, detail, fix))
+    elif ahead < timedelta(days=2):
+        detail = f"partitions only until {newest} (a pruner round makes {AHEAD} days ahead)"
+        found.append(Check("days ahead", WARN, detail, fix))
+    else:
+        found.append(Check("days ahead", OK, f"partitions until {newest}"))
+    return found
+
+
+def outbox(conn: Connection, tables: Tables, settings: Settings) -> list[Check]:
+    """The unpublished backlog, its oldest row's age, and the parked rows (parked_at where
+    the table has it, else attempts >= max_attempts, as the relay decides)."""
+    ob = tables.outbox
+    now = settings.at()
+    waiting = ob.c.published_at.is_(None)
+    is_parked: ColumnElement[bool]
+    columns = {c["name"] for c in inspect(conn).get_columns(ob.name, schema=ob.schema)}
+    if "parked_at" in columns:
+        # A layout that adds parked_at may not be on this Table yet: named by hand then.
+        parked_at = ob.c.parked_at if "parked_at" in ob.c else column("parked_at")
+        is_parked = parked_at.is_not(None)
+        how = "parked_at set"
+    else:
+        is_parked = ob.c.attempts >= settings.max_attempts
+        how = f"attempts >= {settings.max_attempts}"
+    backlog, oldest = conn.execute(
+        select(func.count(), func.min(ob.c.created_at)).where(waiting, ~is_parked)
+    ).one()
+    parked = conn.execute(select(func.count()).where(waiting, is_parked)).scalar_one()
+    found = []
+    if not backlog:
+        found.append(Check("outbox backlog", OK, f"nothing waiting in {ob.fullname}"))
+    else:
+        age = _age(now, oldest)
+        detail = f"{backlog:,} event(s) waiting in {ob.fullname}, the oldest for {age}"
+        stale = _aware(oldest) < now - settings.outbox_max_age
+        if stale:
+            fix = "start `consumerdedup relay` (or the Relay); check its logs for the broker"
+            limit = durations.render(settings.outbox_max_age)
+            found.append(Check("outbox backlog", FAIL, f"{detail} (over {limit})", fix))
+        else:
+            found.append(Check("outbox backlog", OK, detail))
+    if parked:
+        detail = f"{parked:,} event(s) parked ({how}): no relay publishes them"
+        fix = "see why in their last_error; fix the cause, then replay or abandon them"
+        found.append(Check("parked events", FAIL, detail, fix))
+    else:
+        found.append(Check("parked events", OK, f"none ({how})"))
+    return found
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def old_records(conn: Connection, tables: Tables, settings: Settings) -> Check:
+    """Records older than their consumer's window + buffer: the pruner is not running.
+
+    One query on the processed_at index, below the shortest window's cutoff."""
+    windows = dict(settings.windows)
+    if settings.retention is None and not windows:
+        fix = "pass --retention DURATION and/or --window CONSUMER=DURATION, as given to prune"
+        return Check("old records", WARN, "not checked: no window given", fix)
+    now = settings.at()
+    keeps = {c: keep_for(w, settings.buffer) for c, w in windows.items()}
+    common = keep_for(settings.retention, settings.buffer) if settings.retention else None
+    finite = [k for k in [*keeps.values(), common] if k is not None]
+    if not finite:
+        return Check("old records", OK, "every window given is forever")
+    pe = tables.processed_events
+    rows = conn.execute(
+        select(pe.c.consumer, func.min(pe.c.processed_at), func.count())
+        .where(pe.c.processed_at < now - min(finite))
+        .group_by(pe.c.consumer)
+    ).all()
+    late = []
+    for consumer, oldest, _count in rows:
+        keep = keeps.get(consumer, common)
+        if keep is not None and _aware(oldest) < now - keep:
+            late.append(f"{consumer} (oldest {_age(now, oldest)}, kept {durations.render(keep)})")
+    if late:
+        detail = f"records older than their window + buffer: {', '.join(late)}"
+        return Check("old records", FAIL, detail + ": the pruner is not running", PRUNE)
+    return Check("old records", OK, "none past its window + buffer")
+
+
+def broker_windows(settings: Settings) -> list[Check]:
+    """Each named consumer's window against the retention its broker reported."""
+    broker = settings.broker
+    if broker is None:
+        return []
+    found = []
+    reported = "forever" if broker.window is None else durations.render(broker.window)
+    said = f"{broker.broker} keeps {broker.names} {reported}"
+    for consumer in settings.consumers:
+        window = settings.windows.get(consumer, settings.retention)
+        if consumer not in settings.windows and settings.retention is None:
+            found.append(Check(f"window {consumer}", OK, f"{said}: prune reads it from there"))
+            continue
+        shown = "forever" if window is None else durations.render(window)
+        if window is None or (broker.window is not None and window >= broker.window):
+            found.append(Check(f"window {consumer}", OK, f"{shown}, {said}"))
+            continue
+        detail = (
+            f"window {shown} is shorter than the retention ({broker.describe()}): a "
+            "redelivery after the prune finds no record and runs again"
+        )
+        fix = f"--window {consumer}={reported} (or longer), or prune with the broker's window"
+        found.append(Check(f"window {consumer}", FAIL, detail, fix))
+    return found
