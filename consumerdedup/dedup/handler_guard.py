@@ -16,13 +16,17 @@ DB-API connection's own ``commit()``/``rollback()`` (caught at the handler's
 next statement, or when it returns; what such a commit committed stays
 committed).
 
-Where the guard sits: nowhere but on what one handler call is handed, and only
-for that call. HandlerCall adds SQLAlchemy event listeners to that session
-instance (``before_commit``, ``after_begin``) and to the connection the session
+Where the guard sits: nowhere but on what a handler is handed. The first time a
+session instance is handed to a handler, it gets SQLAlchemy event listeners
+(``before_commit``, ``after_begin``), and so does the connection the session
 really uses in the pipeline's transaction (``before_cursor_execute``,
 ``after_cursor_execute``, ``commit``), whatever engine the session was made
-from, and removes them when the call ends. Nothing is installed on the Session
-class, on an engine, or on any other session or connection. SQLAlchemy offers
+from. They act only while a HandlerCall runs on that object (it sets itself in
+the session's and the connection's ``info`` and takes itself out when the call
+ends) and go with the object: the pipeline's sessions and connections last one
+attempt, so a batch pays ``event.listen`` once, not once a message. Nothing is
+installed on the Session class, on an engine, or on any other session or
+connection. SQLAlchemy offers
 ``handle_error`` only for a whole dialect (every connection of an engine), so
 the error a handler swallowed is taken from the statement's own execution
 context instead (``ExecutionContext.handle_dbapi_exception``, set on that one
@@ -31,6 +35,7 @@ statement's context).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,8 +66,8 @@ class HandlerCall:
     """Around one handler call: refuse commits during it, then check the transaction.
 
     ``connection`` is the session's connection in this transaction (for an
-    AsyncSession, its ``sync_connection``), taken before the call. The listeners
-    go on ``session`` and ``connection`` here and come off in ``finish``.
+    AsyncSession, its ``sync_connection``), taken before the call. Their listeners
+    route events to this call from here until ``finish``.
     """
 
     def __init__(self, session: Session, connection: Connection) -> None:
@@ -88,19 +93,11 @@ class HandlerCall:
         self.statement: tuple[str, Any, bool] = ("", None, False)
         """The handler's last statement: its text, parameters and whether executemany."""
         self.second_connection = False
-        self._session_events: list[tuple[str, Callable[..., None]]] = [
-            ("before_commit", self._refuse_commit),
-            ("after_begin", self._refuse_second_connection),
-        ]
-        self._connection_events: list[tuple[str, Callable[..., None]]] = [
-            ("before_cursor_execute", self._before_statement),
-            ("after_cursor_execute", self._after_statement),
-            ("commit", self._on_commit),
-        ]
-        for name, fn in self._session_events:
-            event.listen(session, name, fn)
-        for name, fn in self._connection_events:
-            event.listen(connection, name, fn)
+        _watch(session, _SESSION_EVENTS)
+        _watch(connection, _CONNECTION_EVENTS)
+        # The pooled connection's own dict: still reachable if the handler gave it back.
+        self.info = connection.info
+        session.info[_CALL] = self.info[_CALL] = self
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
@@ -108,10 +105,8 @@ class HandlerCall:
         A second connection is a setup fault, whatever the handler made of it:
         ConfigurationError, so that no message is recorded for it.
         """
-        for name, fn in self._session_events:
-            event.remove(self.session, name, fn)
-        for name, fn in self._connection_events:
-            event.remove(self.connection, name, fn)
+        self.session.info.pop(_CALL, None)
+        self.info.pop(_CALL, None)
         if self.second_connection:
             raise ConfigurationError(_TWO_CONNECTIONS)
 
@@ -239,6 +234,43 @@ class HandlerCall:
             dialect=dialect,
             ismulti=executemany,
         )
+
+
+_CALL = "consumerdedup.handler_call"
+"""In ``session.info`` and the connection's ``info``: the HandlerCall running on it."""
+_watched: weakref.WeakSet[Session | Connection] = weakref.WeakSet()
+"""Sessions and connections already handed to a handler: they carry our listeners."""
+
+
+def _route(method: str) -> Callable[..., None]:
+    """A listener that hands the event to the call running on the session or connection."""
+
+    def listener(target: Any, *args: Any) -> None:
+        call = target.info.get(_CALL)
+        if call is not None:
+            getattr(call, method)(target, *args)
+
+    return listener
+
+
+_SESSION_EVENTS = [
+    ("before_commit", _route("_refuse_commit")),
+    ("after_begin", _route("_refuse_second_connection")),
+]
+_CONNECTION_EVENTS = [
+    ("before_cursor_execute", _route("_before_statement")),
+    ("after_cursor_execute", _route("_after_statement")),
+    ("commit", _route("_on_commit")),
+]
+
+
+def _watch(target: Session | Connection, events: list[tuple[str, Any]]) -> None:
+    """Listen on ``target`` the first time it is handed to a handler (event.listen costs
+    tens of microseconds; once per object, a batch's session and connection pay it once)."""
+    if target not in _watched:
+        for name, fn in events:
+            event.listen(target, name, fn)
+        _watched.add(target)
 
 
 def _idle(connection: Connection) -> bool:

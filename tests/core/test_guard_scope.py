@@ -99,21 +99,29 @@ def assert_engine_untouched(engine: Engine) -> None:
 
 
 def test_other_sessions_in_the_same_thread_commit_freely(db: Database) -> None:
+    """And the session handed to handlers, when the caller uses it between calls."""
     ledger = create_ledger(db)
-    dedup = Deduplicator(db.engine, "c", tables=db.tables, retry=FAST)
-    handed: dict[str, Any] = {}
+    shared = Session(db.engine)  # a factory giving one long-lived session
+    dedup = Deduplicator(
+        db.engine, "c", tables=db.tables, retry=FAST, session_factory=lambda: shared
+    )
+    during: list[tuple[int, int]] = []
 
     @dedup.handler
     def handle(message: Message, session: Session) -> None:
-        handed["during"] = (listeners_on(session), listeners_on(session.connection()))
-        handed["session"], handed["connection"] = session, session.connection()
+        during.append((listeners_on(session), listeners_on(session.connection())))
         session.execute(text(f"INSERT INTO {ledger} (message_id) VALUES (:m)"), {"m": message.id})
 
     assert_engine_untouched(db.engine)
     assert handle(order("m1")) is Outcome.PROCESSED
-    assert handed["during"][0] > 0 and handed["during"][1] > 0  # the guard was there
-    assert listeners_on(handed["session"]) == listeners_on(handed["connection"]) == 0
+    assert during[0][0] > 0 and during[0][1] > 0  # the guard was there
     assert_engine_untouched(db.engine)
+    shared.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('shared')"))
+    shared.commit()
+    shared.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('shared-conn')"))
+    shared.connection().commit()
+    shared.close()
+    assert handle(order("m2")) is Outcome.PROCESSED
     with Session(db.engine) as plain:
         plain.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('plain')"))
         assert listeners_on(plain) == listeners_on(plain.connection()) == 0
@@ -121,7 +129,7 @@ def test_other_sessions_in_the_same_thread_commit_freely(db: Database) -> None:
     with db.engine.connect() as conn:
         conn.exec_driver_sql(f"INSERT INTO {ledger} (message_id) VALUES ('sql')")
         conn.exec_driver_sql("COMMIT")
-    assert effects(db, ledger) == ["m1", "plain", "sql"]
+    assert effects(db, ledger) == ["m1", "shared", "shared-conn", "m2", "plain", "sql"]
 
 
 @pytest.mark.parametrize("db", ["postgresql"], indirect=True)
