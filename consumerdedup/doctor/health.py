@@ -65,10 +65,10 @@ def outbox(conn: Connection, tables: Tables, settings: Settings) -> list[Check]:
         # A layout that adds parked_at may not be on this Table yet: named by hand then.
         parked_at = ob.c.parked_at if "parked_at" in ob.c else column("parked_at")
         is_parked = parked_at.is_not(None)
-        how = "parked_at set"
+        how = "by parked_at"
     else:
         is_parked = ob.c.attempts >= settings.max_attempts
-        how = f"attempts >= {settings.max_attempts}"
+        how = f"by attempts >= {settings.max_attempts}"
     backlog, oldest = conn.execute(
         select(func.count(), func.min(ob.c.created_at)).where(waiting, ~is_parked)
     ).one()

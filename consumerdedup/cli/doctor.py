@@ -1,0 +1,106 @@
+"""``consumerdedup doctor``: check a deployment; a checklist with the fix for each line.
+
+Exit 0 when no line is FAIL (warn lines are worth a look), 1 otherwise. The
+windows are given as to ``prune`` (``--retention``, ``--window NAME=DURATION``,
+``--buffer``); with ``--kafka``/``--rabbitmq`` each ``--consumer``'s window is
+compared with the retention its broker reports (retention.py, as prune reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import timedelta
+
+from ..doctor import FAIL, Check, Settings, diagnose
+from ..prune.windows import BrokerRetention
+from .common import CommandError, UsageError, open_database
+from .prune import _duration, _windows
+from .redact import shown
+from .retention import read_retention
+
+NAME = "doctor"
+HELP = "check a deployment: database, tables, trigger, partitions, outbox, windows"
+_WIDTH = 18
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    windows = parser.add_argument_group("windows (as given to prune)")
+    windows.add_argument("--retention", metavar="DURATION", help="every consumer's window")
+    windows.add_argument(
+        "--window", metavar="NAME=DURATION", action="append", help="a consumer's own (repeatable)"
+    )
+    windows.add_argument("--buffer", metavar="DURATION", help="default: max(1d, 10%%)")
+    broker = parser.add_argument_group("the broker's retention (for --consumer)")
+    broker.add_argument("--kafka", metavar="BOOTSTRAP", help="read retention.ms of --topics")
+    broker.add_argument("--rabbitmq", metavar="URL", help="read the message TTL of --queues")
+    broker.add_argument("--topics", "--topic", metavar="A,B", help="with --kafka")
+    broker.add_argument("--queues", "--queue", metavar="A,B", help="with --rabbitmq")
+    broker.add_argument(
+        "--consumer", metavar="NAME", action="append", help="a consumer of them (repeatable)"
+    )
+    parser.add_argument(
+        "--max-attempts",
+        metavar="N",
+        type=int,
+        default=10,
+        help="parked = attempts >= N where the outbox has no parked_at (default 10)",
+    )
+    parser.add_argument(
+        "--outbox-max-age",
+        metavar="DURATION",
+        default="5m",
+        help="FAIL when an unpublished event is older (default 5m)",
+    )
+    parser.add_argument("--json", action="store_true", help="the checks as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.kafka and args.rabbitmq:
+        raise UsageError("--kafka and --rabbitmq: give one broker")
+    windows = _windows(args.window)
+    max_age = _duration(args.outbox_max_age, "--outbox-max-age") or timedelta(minutes=5)
+    settings = Settings(
+        retention=_duration(args.retention, "--retention"),
+        windows=windows,
+        buffer=_duration(args.buffer, "--buffer"),
+        consumers=tuple(args.consumer or windows),
+        max_attempts=args.max_attempts,
+        outbox_max_age=max_age,
+    )
+    url, engine, tables = open_database(args)
+    found: list[Check] = []
+    if args.kafka or args.rabbitmq or args.topics or args.queues:
+        args.consumer = list(settings.consumers)
+        broker, check = _broker(args)
+        settings = Settings(**{**settings.__dict__, "broker": broker})
+        found += [check] if check else []
+    try:
+        found = [*diagnose(engine, tables, settings), *found]
+    finally:
+        engine.dispose()
+    scrub = args.secrets.scrub
+    if args.json:
+        failing = any(c.status == FAIL for c in found)
+        report = {"database": shown(url), "ok": not failing, "checks": [c.as_dict() for c in found]}
+        print(scrub(json.dumps(report, indent=2)))
+    else:
+        print(f"{shown(url)}:")
+        for check in found:
+            print(scrub(f"  {check.status:<5} {check.name:<{_WIDTH}} {check.detail}"))
+            if check.fix and check.status != "ok":
+                print(scrub(f"  {'':<5} {'':<{_WIDTH}} fix: {check.fix}"))
+        counts = {s: sum(c.status == s for c in found) for s in (FAIL, "warn", "ok")}
+        print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return 1 if any(c.status == FAIL for c in found) else 0
+
+
+def _broker(args: argparse.Namespace) -> tuple[BrokerRetention | None, Check | None]:
+    """The broker's retention; a broker that cannot be asked is a FAIL line, not an exit."""
+    try:
+        return read_retention(args), None
+    except UsageError:
+        raise
+    except CommandError as error:
+        fix = "check the broker's address and credentials, and that it runs"
+        return None, Check("broker", FAIL, str(error), fix)
