@@ -288,12 +288,9 @@ def _claim(
     poll = _FIRST_POLL
     budget = 0.0 if waits_in_store else claim.policy.wait.total_seconds()
     while True:
-        result: ClaimResult = yield claim
+        result: ClaimResult | StoreBusy = yield claim
         if isinstance(result, Claimed):
             return result
-        if isinstance(result, StoreBusy):
-            log.info("idempotency refused %s %s: the database is busy (SQLite)", where, label)
-            return Respond(problems.store_busy().response())
         if isinstance(result, StoreFailed):
             log.warning("idempotency refused %s %s: the store failed", where, label)
             return Respond(problems.store_unavailable().response())
@@ -306,10 +303,15 @@ def _claim(
                 return Respond(problems.not_stored(result.response.status).response())
             log.info("idempotency replayed %s %s", where, label)
             return Respond(result.response, replayed=True)
+        # StoreBusy: a twin, or another key (SQLite's one writer): waited for alike.
+        retry_after = 1.0 if isinstance(result, StoreBusy) else result.retry_after
+        if waited >= budget and isinstance(result, StoreBusy):
+            log.info("idempotency refused %s %s: the database is busy (SQLite)", where, label)
+            return Respond(problems.store_busy().response())
         if waited >= budget:
             log.info("idempotency in flight %s %s", where, label)
-            return Respond(problems.in_flight(result.retry_after).response())
-        step = min(poll, budget - waited, result.retry_after or poll)
+            return Respond(problems.in_flight(retry_after).response())
+        step = min(poll, budget - waited, retry_after or poll)
         yield Pause(max(step, 0.001))
         waited += step
         poll = min(poll * 2, _LONGEST_POLL)

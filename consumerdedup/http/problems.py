@@ -134,12 +134,12 @@ def claim_lost() -> Problem:
 
 def store_busy() -> Problem:
     return Problem(
-        503,
+        409,
         "store-busy",
-        "The database is busy with another request",
+        "The request could not claim its Idempotency-Key yet",
         "Nothing was done: this endpoint commits in one SQLite transaction, and SQLite runs one "
-        "writing transaction at a time; another request (with this key or any other) held the "
-        "database's write lock past this route's wait. Retry the same request with the same "
-        "key; to wait instead, give the route a wait.",
+        "writing transaction at a time; another request (with this key, or with any other key) "
+        "held the database's write lock past this route's wait. Retry the same request with "
+        "the same key after 1 s.",
         (("retry-after", "1"),),
     )
