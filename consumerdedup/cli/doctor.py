@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             if check.fix and check.status != "ok":
                 print(scrub(f"  {'':<5} {'':<{_WIDTH}} fix: {check.fix}"))
         counts = {s: sum(c.status == s for c in found) for s in (FAIL, "warn", "ok")}
-        print(", ".join(f"{n} {s}" for s, n in counts.items()))
+        print(", ".join(f"{n} {s}" for s, n in counts.items() if n))
     return 1 if any(c.status == FAIL for c in found) else 0
 
 
