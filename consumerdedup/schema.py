@@ -173,6 +173,13 @@ class Tables:
             Column("available_at", DateTime(timezone=True), nullable=False),
             Column("published_at", DateTime(timezone=True), nullable=True),
             Column("last_error", Text, nullable=True),
+            # Parked: failed max_attempts publishes, no relay tries it until replayed.
+            Column("parked_at", DateTime(timezone=True), nullable=True),
+            Column("parked_reason", Text, nullable=True),
+            # Abandoned by an operator: never published, holds no key back, pruned later.
+            Column("abandoned_at", DateTime(timezone=True), nullable=True),
+            Column("abandoned_by", String(ID_LENGTH), nullable=True),
+            Column("abandoned_reason", Text, nullable=True),
             # The relay's scans: unpublished rows in id order, and the few failing ones by key.
             Index(
                 _index_name(ob_name, "unpublished"),

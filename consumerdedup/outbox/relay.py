@@ -45,7 +45,9 @@ class RelayConfig:
     poll_interval: timedelta = timedelta(seconds=1)
     """Idle wait between rounds; on PostgreSQL a NOTIFY ends it as soon as a row commits."""
     max_attempts: int = 10
-    """Failed publishes of one row before it is parked (kept, reported, no longer tried)."""
+    """Failed publishes of one row before this relay parks it: ``parked_at`` is set on the
+    row, and no relay tries it again (whatever its own setting) until it is replayed
+    (consumerdedup.outbox.parked)."""
     initial_backoff: timedelta = timedelta(milliseconds=200)
     max_backoff: timedelta = timedelta(minutes=5)
     delete_published: bool = False
@@ -115,9 +117,7 @@ class OutboxRelay(StopSwitch):
         return done
 
     def _claim(self, conn: Any) -> list[Any]:
-        return self.statements.claim(
-            conn, utcnow(), self.config.batch_size, self.config.max_attempts
-        )
+        return self.statements.claim(conn, utcnow(), self.config.batch_size)
 
     def _round(self, conn: Any, rows: list[Any]) -> int:
         """Publish ``rows`` in order, then mark what became of them; returns the count sent."""
@@ -221,13 +221,15 @@ class OutboxRelay(StopSwitch):
         return self._broker_trouble
 
     def parked(self) -> list[tuple[str, str | None]]:
-        """(event_id, last_error) of rows that failed too often and are no longer tried."""
+        """(event_id, last_error) of the parked rows (parked_at set, not abandoned): no
+        relay tries them until they are replayed."""
         with self.engine.connect() as conn:
-            return self.statements.parked(conn, self.config.max_attempts)
+            return self.statements.parked(conn)
 
     def backlog(self) -> int:
+        """Unpublished rows that are neither parked nor abandoned."""
         with self.engine.connect() as conn:
-            return self.statements.backlog(conn, self.config.max_attempts)
+            return self.statements.backlog(conn)
 
     def _open_publisher(self) -> bool:
         """Start the publisher (at run(), else before the first publish); False if its broker
@@ -267,22 +269,30 @@ class OutboxRelay(StopSwitch):
         return None
 
     def _fail(self, conn: Any, row: Any, error: BaseException) -> None:
-        attempts = row.attempts + 1
-        retry_at = utcnow() + self.config.backoff(attempts)
-        self.statements.mark_failed(conn, row.id, retry_at, describe(error))
+        attempts, now, text = row.attempts + 1, utcnow(), describe(error)
+        limit = self.config.max_attempts
+        self.statements.mark_failed(
+            conn,
+            row.id,
+            now + self.config.backoff(attempts),
+            text,
+            now=now,
+            max_attempts=limit,
+            reason=f"{attempts} failed publishes (max_attempts={limit}); last: {text}",
+        )
         if attempts >= self.config.max_attempts:
             logger.error(
                 "outbox event %s parked after %d failed publishes: %s",
                 row.event_id,
                 attempts,
-                describe(error),
+                text,
             )
         else:
             logger.warning(
                 "publishing outbox event %s failed (attempt %d): %s",
                 row.event_id,
                 attempts,
-                describe(error),
+                text,
             )
 
     def _round_done(self) -> None:

@@ -14,6 +14,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    case,
     delete,
     exists,
     func,
@@ -37,23 +38,26 @@ class RelayStatements:
         self.postgres = dialect == "postgresql"
         # A key is held back from its oldest row that failed and cannot go now (backing
         # off, or parked): its events leave in the order they were added. Only rows
-        # that failed before (attempts > 0) can hold a key back, and they are few.
-        cannot_go = ob.c.attempts >= bindparam("max_attempts")
+        # that failed before (attempts > 0) can hold a key back, and they are few. Parked
+        # is stored on the row (parked_at), whatever this relay's max_attempts; an
+        # abandoned row never goes and holds nothing back.
+        parked = ob.c.parked_at.is_not(None)
+        live = (ob.c.published_at.is_(None), ob.c.abandoned_at.is_(None))
         blocked = (
             select(ob.c.key, func.min(ob.c.id).label("from_id"))
             .where(
-                ob.c.published_at.is_(None),
+                *live,
                 ob.c.attempts > 0,
                 ob.c.key.is_not(None),
-                or_(ob.c.available_at > bindparam("now"), cannot_go),
+                or_(ob.c.available_at > bindparam("now"), parked),
             )
             .group_by(ob.c.key)
             .cte("blocked")
         )
         held_back = exists().where(blocked.c.key == ob.c.key, blocked.c.from_id < ob.c.id)
         may_go = (
-            ob.c.published_at.is_(None),
-            ~cannot_go,
+            *live,
+            ob.c.parked_at.is_(None),
             # A fresh row may always go: its available_at is only the writer's clock.
             or_(ob.c.attempts == 0, ob.c.available_at <= bindparam("now")),
             ~held_back,
@@ -88,6 +92,9 @@ class RelayStatements:
             update(ob).where(self._in_ids()).values(published_at=bindparam("now"), last_error=None)
         )
         self._delete = delete(ob).where(self._in_ids())
+        # The failure that reaches max_attempts parks the row, in the same UPDATE (the
+        # count in the row decides, not the one this relay read).
+        parks = ob.c.attempts + 1 >= bindparam("max_attempts")
         self._failed = (
             update(ob)
             .where(ob.c.id == bindparam("row_id"))
@@ -95,13 +102,13 @@ class RelayStatements:
                 attempts=ob.c.attempts + 1,
                 available_at=bindparam("available_at"),
                 last_error=bindparam("error"),
+                parked_at=case((parks, bindparam("now")), else_=ob.c.parked_at),
+                parked_reason=case((parks, bindparam("reason")), else_=ob.c.parked_reason),
             )
         )
-        self._backlog = select(func.count()).where(
-            ob.c.published_at.is_(None), ob.c.attempts < bindparam("max_attempts")
-        )
-        self._parked = select(ob.c.event_id, ob.c.last_error).where(
-            and_(ob.c.published_at.is_(None), ob.c.attempts >= bindparam("max_attempts"))
+        self._backlog = select(func.count()).where(*live, ob.c.parked_at.is_(None))
+        self._parked = (
+            select(ob.c.event_id, ob.c.last_error).where(and_(*live, parked)).order_by(ob.c.id)
         )
 
     def _in_ids(self) -> Any:
@@ -111,20 +118,20 @@ class RelayStatements:
             return self.table.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
         return self.table.c.id.in_(bindparam("ids", expanding=True))
 
-    def claim(self, conn: Connection, now: datetime, limit: int, max_attempts: int) -> list[Any]:
+    def claim(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
         """Rows this relay alone may publish now, in id order, locked until commit.
 
         The scan window is wider than a batch so that concurrent relays, finding
         the first keys locked, take the next ones instead of going home empty.
         """
-        params = {"now": now, "limit": limit * WINDOW, "max_attempts": max_attempts}
+        params = {"now": now, "limit": limit * WINDOW}
         candidates = list(conn.execute(self._candidates, params))
         if self.postgres:
             candidates = self._lock_keys_for(conn, candidates, limit)
         ids = [row.id for row in candidates][:limit]
         if not ids:
             return []
-        params = {"ids": ids, "now": now, "max_attempts": max_attempts}
+        params = {"ids": ids, "now": now}
         return list(conn.execute(self._rows, params).all())
 
     def _lock_keys_for(self, conn: Connection, candidates: list[Any], limit: int) -> list[Any]:
@@ -154,13 +161,27 @@ class RelayStatements:
                 self._delete if delete_rows else self._published, {"ids": list(ids), "now": now}
             )
 
-    def mark_failed(self, conn: Connection, row_id: int, retry_at: datetime, error: str) -> None:
-        conn.execute(self._failed, {"row_id": row_id, "available_at": retry_at, "error": error})
+    def mark_failed(
+        self,
+        conn: Connection,
+        row_id: int,
+        retry_at: datetime,
+        error: str,
+        *,
+        now: datetime,
+        max_attempts: int,
+        reason: str,
+    ) -> None:
+        """One more failed attempt; the one that reaches ``max_attempts`` parks the row
+        (``parked_at = now``, ``parked_reason = reason``)."""
+        params = {"row_id": row_id, "available_at": retry_at, "error": error}
+        params.update(now=now, max_attempts=max_attempts, reason=reason)
+        conn.execute(self._failed, params)
 
-    def backlog(self, conn: Connection, max_attempts: int) -> int:
-        """Unpublished rows that are not parked."""
-        return int(conn.execute(self._backlog, {"max_attempts": max_attempts}).scalar_one())
+    def backlog(self, conn: Connection) -> int:
+        """Unpublished rows that are neither parked nor abandoned."""
+        return int(conn.execute(self._backlog).scalar_one())
 
-    def parked(self, conn: Connection, max_attempts: int) -> list[tuple[str, str | None]]:
-        rows = conn.execute(self._parked, {"max_attempts": max_attempts})
-        return [(event_id, error) for event_id, error in rows]
+    def parked(self, conn: Connection) -> list[tuple[str, str | None]]:
+        """(event_id, last_error) of the parked rows, in id order."""
+        return [(event_id, error) for event_id, error in conn.execute(self._parked)]

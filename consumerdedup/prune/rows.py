@@ -59,7 +59,8 @@ class RowPruner:
         return deleted
 
     def outbox(self, conn: Connection, state: Round) -> int:
-        """Published outbox rows past the outbox cutoff; unpublished ones are never touched."""
+        """Outbox rows published (or abandoned) before the outbox cutoff; rows waiting to go
+        out, parked ones included, are never touched."""
         deleted = 0
         table = self.tables.outbox.fullname
         while state.outbox is not None and not self.pace.stopping:

@@ -110,6 +110,17 @@ class PruneStatements:
         self._outbox_count = text(f"SELECT count(*) FROM {ob_name} WHERE {published}").bindparams(
             outbox_cutoff
         )
+        # Abandoned rows (never published) go like published ones, by abandoned_at; they are
+        # among the few unpublished rows, which the relay's partial index on id serves.
+        gone = "published_at IS NULL AND abandoned_at < :outbox_cutoff"
+        page = f"SELECT id FROM {ob_name} WHERE {gone} ORDER BY id LIMIT :limit"
+        ids = f"id = ANY(ARRAY({page}))" if self.postgres else f"id IN ({page})"
+        self._abandoned_delete = text(f"DELETE FROM {ob_name} WHERE {ids}").bindparams(
+            outbox_cutoff
+        )
+        self._abandoned_count = text(f"SELECT count(*) FROM {ob_name} WHERE {gone}").bindparams(
+            outbox_cutoff
+        )
         self._consumer_rows = text(
             f"SELECT 1 FROM {pe_name} WHERE consumer = :consumer LIMIT 1"
         ).bindparams(bindparam("consumer", type_=String()))
@@ -161,11 +172,18 @@ class PruneStatements:
         return Counter({consumer: int(n) for consumer, n in conn.execute(self._count, params)})
 
     def delete_outbox(self, conn: Connection, cutoff: datetime, limit: int) -> int:
+        """Up to ``limit`` rows published, or abandoned, before ``cutoff``."""
         result = conn.execute(self._outbox_delete, {"outbox_cutoff": cutoff, "limit": limit})
-        return int(result.rowcount)
+        deleted = int(result.rowcount)
+        if deleted < limit:
+            params = {"outbox_cutoff": cutoff, "limit": limit - deleted}
+            deleted += int(conn.execute(self._abandoned_delete, params).rowcount)
+        return deleted
 
     def count_outbox(self, conn: Connection, cutoff: datetime) -> int:
-        return int(conn.execute(self._outbox_count, {"outbox_cutoff": cutoff}).scalar_one())
+        params = {"outbox_cutoff": cutoff}
+        published = conn.execute(self._outbox_count, params).scalar_one()
+        return int(published) + int(conn.execute(self._abandoned_count, params).scalar_one())
 
     def try_lock(self, conn: Connection) -> bool:
         """The session lock that keeps other pruners of this processed_events off the round."""
