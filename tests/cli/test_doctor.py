@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import pika
+import pika  # type: ignore[import-untyped]
 import pytest
 from sqlalchemy import create_engine, insert, text
 
@@ -56,7 +56,8 @@ def record(db: Database, consumer: str, age: timedelta) -> None:
 
 
 def event(db: Database, age: timedelta, **extra: Any) -> None:
-    values = {"event_id": uuid.uuid4().hex, "destination": "d", "body": b"x", "headers": {}}
+    values: dict[str, Any] = {"event_id": uuid.uuid4().hex, "destination": "d", "body": b"x"}
+    values["headers"] = {}
     values |= {"created_at": NOW - age, "available_at": NOW - age, **extra}
     with db.engine.begin() as conn:
         conn.execute(insert(db.tables.outbox).values(**values))
