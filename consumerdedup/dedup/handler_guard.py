@@ -265,8 +265,9 @@ _CONNECTION_EVENTS = [
 
 
 def _watch(target: Session | Connection, events: list[tuple[str, Any]]) -> None:
-    """Listen on ``target`` the first time it is handed to a handler (event.listen costs
-    tens of microseconds; once per object, a batch's session and connection pay it once)."""
+    """Listen on ``target`` the first time it is handed to a handler. The first listeners on
+    an object cost some 0.15-0.3 ms (measured, loaded 2-core box): paid once per attempt,
+    so a batch pays it once and a message processed alone pays it whole."""
     if target not in _watched:
         for name, fn in events:
             event.listen(target, name, fn)
