@@ -17,8 +17,10 @@ PRUNE = "run `consumerdedup prune --every 1h ...` (or a Pruner) with these windo
 
 
 def _age(now: datetime, then: datetime) -> str:
-    seconds = int((now - _aware(then)).total_seconds())
-    return durations.render(timedelta(seconds=max(seconds, 1)))
+    seconds = max(int((now - _aware(then)).total_seconds()), 1)
+    if seconds >= 3600:  # to the minute past an hour
+        seconds -= seconds % 60
+    return durations.render(timedelta(seconds=seconds))
 
 
 def partitions(conn: Connection, tables: Tables) -> list[Check]:
@@ -88,7 +90,7 @@ def outbox(conn: Connection, tables: Tables, settings: Settings) -> list[Check]:
             found.append(Check("outbox backlog", OK, detail))
     if parked:
         detail = f"{parked:,} event(s) parked ({how}): no relay publishes them"
-        fix = "see why in their last_error; fix the cause, then replay or abandon them"
+        fix = "see why: `consumerdedup outbox list`; fix it, then `outbox replay` or `abandon`"
         found.append(Check("parked events", FAIL, detail, fix))
     else:
         found.append(Check("parked events", OK, f"none ({how})"))
