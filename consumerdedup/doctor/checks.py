@@ -97,18 +97,19 @@ def write_rights(conn: Connection, tables: Tables, present: set[str]) -> Check:
     into the version table, rolled back (a read-only file or directory refuses it)."""
     if conn.dialect.name != "postgresql":
         return _sqlite_probe(conn, tables, present)
-    lacking = []
+    lacking: dict[str, list[str]] = {}
+    statement = text("SELECT has_table_privilege(to_regclass(:t), :r)")
     for table in tables.owned:
         if table.fullname not in present:
             continue
         for right in _RIGHTS:
-            statement = text("SELECT has_table_privilege(to_regclass(:t), :r)")
             if not conn.execute(statement, {"t": table_sql(table), "r": right}).scalar():
-                lacking.append(f"{right} on {table.fullname}")
+                lacking.setdefault(table.fullname, []).append(right)
     user = conn.execute(text("SELECT current_user")).scalar_one()
     if lacking:
-        fix = f"GRANT {', '.join(_RIGHTS)} ON the tables TO {user}"
-        return Check("rights", FAIL, f"{user} lacks {', '.join(lacking)}", fix)
+        said = "; ".join(f"{', '.join(rights)} on {name}" for name, rights in lacking.items())
+        fix = f"GRANT {', '.join(_RIGHTS)} ON {', '.join(lacking)} TO {user}"
+        return Check("rights", FAIL, f"{user} lacks {said}", fix)
     return Check("rights", OK, f"{user} may {', '.join(_RIGHTS)} on every table")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pika  # type: ignore[import-untyped]
 import pytest
 from sqlalchemy import create_engine, insert, text
+from sqlalchemy.engine import make_url
 
 from consumerdedup.cli.main import main
 from consumerdedup.doctor import FAIL, diagnose, failed, startup_checks
@@ -213,3 +214,56 @@ def test_a_window_shorter_than_the_queue_ttl_fails(
         assert "--window ledger=2d" in found
         code, out = doctor(sqlite_db, capsys, *broker, "--window", "ledger=3d")
         assert code == 0 and "ok    window ledger" in out, out
+
+
+def test_a_role_without_write_rights_fails(
+    pg: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    role = f"doctor_{uuid.uuid4().hex[:8]}"
+    with pg.engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+        conn.execute(text(f"GRANT USAGE ON SCHEMA {pg.schema} TO {role}"))
+        conn.execute(text(f"GRANT SELECT ON ALL TABLES IN SCHEMA {pg.schema} TO {role}"))
+    try:
+        url = make_url(pg.url).set(username=role).render_as_string(hide_password=False)
+        code, out = doctor(pg, capsys, url=url)
+        assert code == 1
+        found = line(out, "rights")
+        outbox = pg.tables.outbox.fullname
+        assert FAIL in found and f"INSERT, UPDATE, DELETE on {outbox};" in found
+        assert f"{role} lacks INSERT" in found and "SELECT," not in found.split("fix:")[0]
+        assert f"TO {role}" in found and ("database", "FAIL") not in statuses(out)
+    finally:
+        with pg.engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+
+
+def test_a_read_only_sqlite_file_fails(
+    sqlite_db: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = make_url(sqlite_db.url).database
+    code, out = doctor(sqlite_db, capsys, url=f"sqlite:///file:{path}?mode=ro&uri=true")
+    assert code == 1
+    assert "a write was refused" in line(out, "rights") and "readonly" in out
+
+
+def test_an_older_schema_version_fails(db: Database, capsys: pytest.CaptureFixture[str]) -> None:
+    with db.engine.begin() as conn:
+        conn.execute(text(f"UPDATE {db.name('consumerdedup_schema')} SET version = 0"))
+    code, out = doctor(db, capsys)
+    assert code == 1
+    assert "0, older than this release's 1" in line(out, "schema version")
+
+
+def test_a_broker_that_cannot_be_asked_is_a_fail_line(
+    sqlite_db: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    broker = ["--rabbitmq", f"amqp://guest:pw9x@127.0.0.1:{port}/", "--queue", "q"]
+    code, out = doctor(sqlite_db, capsys, *broker, "--consumer", "ledger")
+    assert code == 1
+    assert f"127.0.0.1:{port}" in line(out, "broker") and "pw9x" not in out
+    assert "ok    tables" in out
