@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ..errors import AuthenticationFailed
 from ..reasons import authentication_refused, describe
-from . import demo, doctor, failed, init_db, prune, relay, stats
+from . import demo, doctor, failed, init_db, outbox, prune, relay, stats
 from .common import ENV_URL, PROG, CommandError
 from .redact import Secrets
 
@@ -41,7 +41,17 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-COMMANDS: tuple[Command, ...] = (init_db, stats, demo, prune, relay, failed, failed.FORGET, doctor)
+COMMANDS: tuple[Command, ...] = (
+    init_db,
+    stats,
+    demo,
+    prune,
+    relay,
+    failed,
+    failed.FORGET,
+    doctor,
+    outbox,
+)
 
 
 class ScrubbingFormatter(logging.Formatter):

@@ -57,20 +57,26 @@ def consumer_stats(engine: Engine, pe: Table) -> list[dict[str, Any]]:
 
 
 def outbox_stats(engine: Engine, ob: Table) -> dict[str, Any]:
-    pending = ob.c.published_at.is_(None)
+    """Unpublished counts what still waits to go out (parked rows too, not abandoned ones)."""
+    not_out, abandoned = ob.c.published_at.is_(None), ob.c.abandoned_at.is_not(None)
+    pending = not_out & ~abandoned
     query = select(
         _count(pending),
-        _count(~pending),
+        _count(~not_out),
         _count(pending & (ob.c.attempts > 0)),
         func.min(case((pending, ob.c.created_at))),
+        _count(pending & ob.c.parked_at.is_not(None)),
+        _count(not_out & abandoned),
     )
     with engine.connect() as conn:
-        unpublished, published, failing, oldest = conn.execute(query).one()
+        unpublished, published, failing, oldest, parked, gone = conn.execute(query).one()
     age = (datetime.now(UTC) - _utc(oldest)).total_seconds() if oldest is not None else None
     return {
         "unpublished": int(unpublished),
         "published": int(published),
         "failing": int(failing),
+        "parked": int(parked),
+        "abandoned": int(gone),
         "oldest_unpublished_age_seconds": None if age is None else round(age, 3),
     }
 
@@ -147,9 +153,10 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     age = outbox["oldest_unpublished_age_seconds"]
-    counts = [outbox[k] for k in ("unpublished", "published", "failing")]
+    counts = [outbox[k] for k in ("unpublished", "published", "failing", "parked", "abandoned")]
     print(f"\noutbox ({ob.fullname}):")
-    headers = ["unpublished", "published", "failing (attempts > 0)", "oldest unpublished age"]
+    headers = ["unpublished", "published", "failing (attempts > 0)", "parked", "abandoned"]
+    headers.append("oldest unpublished age")
     print(_table(headers, [[*counts, None if age is None else _duration(age)]]))
     print(f"\nidempotency keys ({ik.fullname}):")
     headers = ["live", "expired (next prune)", "in flight", "abandoned (lease over)"]
