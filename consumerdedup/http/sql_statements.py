@@ -145,7 +145,12 @@ class KeyStatements:
             found = yield one, row
             tried = found[0]
             if not tried.got:
-                return InFlight(1.0)  # a twin holds the key in its open transaction
+                # Held by a twin in its open transaction, or by another retry reading the
+                # finished record: that record, if there is one, answers (concurrent replays
+                # must not refuse each other).
+                if tried.state in (COMPLETED, NOT_STORED) and not _free(tried, fingerprint, now):
+                    return judge(tried, fingerprint, now)
+                return InFlight(1.0)
             if tried.claimed:
                 return Claimed(token)
             if tried.state is not None and not _free(tried, fingerprint, now):
@@ -276,7 +281,7 @@ def _trying_claim(table: Any, *, lock: bool = True) -> Executable:
         f"ON CONFLICT ({scope}, {key}) DO NOTHING RETURNING {key}) "
         "SELECT lk.got, EXISTS (SELECT 1 FROM ins) AS claimed, "
         + ", ".join(f"r.{quote.quote(c)}" for c in read)
-        + f" FROM lk LEFT JOIN {name} AS r ON lk.got AND r.{scope} = :scope AND r.{key} = :key"
+        + f" FROM lk LEFT JOIN {name} AS r ON r.{scope} = :scope AND r.{key} = :key"
     )
     typed = [table.c[c] for c in read]
     return statement.columns(literal_column("got"), literal_column("claimed"), *typed)

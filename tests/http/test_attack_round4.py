@@ -124,6 +124,13 @@ def attacked_sqlite(request: pytest.FixtureRequest) -> Iterator[Server]:
     yield from _serve(request, request.param)
 
 
+@pytest.fixture(scope="module", params=KINDS[:2], ids=lambda k: k.name)
+def attacked_postgresql(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The PostgreSQL servers only (on SQLite even a replay's claim takes the one write lock,
+    so concurrent replays may answer 409 store-busy: docs/http.md)."""
+    yield from _serve(request, request.param)
+
+
 def _serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
     with tempfile.TemporaryDirectory() as tmp:
         if kind.database == "sqlite":
@@ -231,3 +238,28 @@ def test_sqlite_answers_store_busy_not_in_flight_for_another_key(attacked_sqlite
     assert other.headers["retry-after"] == "1"
     assert answers["hold"].status_code == 201
     assert attacked.runs("tx/rollback", "twin") == 0
+
+
+def test_concurrent_retries_of_a_finished_transactional_request_all_replay(
+    attacked_postgresql: Server,
+) -> None:
+    """Ten retries at once of a completed key: each replays (found running
+    examples/http_payments.py: with the key's advisory lock taken by one retry reading the
+    record, the others answered 409 in-flight)."""
+    attacked = attacked_postgresql
+    key = {"Idempotency-Key": new_key()}
+    url = f"/tx/rollback?role=twin&tag={uuid.uuid4().hex[:8]}"
+
+    async def retries() -> tuple[httpx.Response, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=attacked.url, timeout=30) as client:
+            first = await client.post(url, content=b"{}", headers=key)
+            again = await asyncio.gather(
+                *(client.post(url, content=b"{}", headers=key) for _ in range(10))
+            )
+            return first, list(again)
+
+    first, again = asyncio.run(retries())
+    assert first.status_code == 201
+    assert [r.status_code for r in again] == [201] * 10, [r.text for r in again]
+    assert all(r.headers["idempotent-replayed"] == "true" for r in again)
+    assert all(r.content == first.content for r in again)
