@@ -17,10 +17,11 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Engine
 
+from ..errors import ConfigurationError
 from ..prune.windows import BrokerRetention
 from ..schema import DEFAULT, Tables
 
-__all__ = ["Check", "Settings", "diagnose", "failed", "startup_checks"]
+__all__ = ["Check", "Settings", "diagnose", "failed", "require_startup", "startup_checks"]
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -114,3 +115,12 @@ def startup_checks(engine: Engine, tables: Tables = DEFAULT) -> list[Check]:
 
 def failed(found: Sequence[Check]) -> list[Check]:
     return [c for c in found if c.status == FAIL]
+
+
+def require_startup(engine: Engine, tables: Tables = DEFAULT) -> None:
+    """``startup_checks``, for a runner or relay about to start: ConfigurationError naming
+    each FAIL and its fix, instead of logging ``consuming ...`` and failing later."""
+    if bad := failed(startup_checks(engine, tables)):
+        raise ConfigurationError(
+            "; ".join(f"{c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else "") for c in bad)
+        )

@@ -18,7 +18,8 @@ from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
 from consumerdedup.cli.main import main
-from consumerdedup.doctor import FAIL, diagnose, failed, startup_checks
+from consumerdedup.doctor import FAIL, diagnose, failed, require_startup, startup_checks
+from consumerdedup.errors import ConfigurationError
 from tests.conftest import Database
 from tests.support.rabbitmq_service import amqp_url_fixture  # noqa: F401
 
@@ -267,3 +268,11 @@ def test_a_broker_that_cannot_be_asked_is_a_fail_line(
     assert code == 1
     assert f"127.0.0.1:{port}" in line(out, "broker") and "pw9x" not in out
     assert "ok    tables" in out
+
+
+def test_require_startup_names_what_stops_a_start(db: Database) -> None:
+    require_startup(db.engine, db.tables)  # healthy: returns
+    with db.engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {db.name('processed_events')}"))
+    with pytest.raises(ConfigurationError, match=r"tables: missing: .*processed_events.*init-db"):
+        require_startup(db.engine, db.tables)
