@@ -11,10 +11,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..db import dialects, sqlite
-from ..errors import ConfigurationError
+from ..errors import AuthenticationFailed, ConfigurationError
 from ..message import Message
 from ..outcome import Outcome, Result
-from ..reasons import describe
+from ..reasons import authentication_refused, describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .handler_guard import HandlerCall
@@ -207,6 +207,10 @@ def begin_checked(session: Session, what: str) -> None:
         )
     try:
         connection = session.connection()
+    except sa_exc.DBAPIError as exc:
+        if authentication_refused(exc):  # retrying cannot fix a refused login: stop
+            raise AuthenticationFailed(f"{what}: {describe(exc)}") from exc
+        raise  # the database is unreachable, the pool is full: retried
     except _MAY_PASS:  # the database is unreachable, the pool is full: retried
         raise
     except Exception as exc:  # a creator=, a connect listener or a dialect that breaks
