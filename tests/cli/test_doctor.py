@@ -3,6 +3,7 @@ passes, and each broken one fails on the line that names what broke."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -14,6 +15,7 @@ from typing import Any
 
 import pika  # type: ignore[import-untyped]
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
@@ -21,6 +23,7 @@ from consumerdedup.cli.main import main
 from consumerdedup.doctor import FAIL, diagnose, failed, require_startup, startup_checks
 from consumerdedup.errors import ConfigurationError
 from tests.conftest import Database
+from tests.support.kafka_service import KafkaService, kafka_fixture  # noqa: F401
 from tests.support.rabbitmq_service import amqp_url_fixture  # noqa: F401
 
 NOW = datetime.now(UTC)
@@ -276,3 +279,27 @@ def test_require_startup_names_what_stops_a_start(db: Database) -> None:
         conn.execute(text(f"DROP TABLE {db.name('processed_events')}"))
     with pytest.raises(ConfigurationError, match=r"tables: missing: .*processed_events.*init-db"):
         require_startup(db.engine, db.tables)
+
+
+def test_a_window_shorter_than_the_topic_retention_fails(
+    sqlite_db: Database, kafka: KafkaService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topic = f"cdd-doctor-{uuid.uuid4().hex[:10]}"
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+        await admin.start()
+        try:
+            configs = {"retention.ms": str(5 * 86_400_000)}
+            await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
+        finally:
+            await admin.close()
+
+    asyncio.run(create())
+    broker = ["--kafka", kafka.bootstrap, "--topic", topic, "--consumer", "ledger"]
+    code, out = doctor(sqlite_db, capsys, *broker, "--retention", "2d")
+    assert code == 1
+    found = line(out, "window ledger")
+    assert FAIL in found and "2d is shorter" in found and f"{topic}: 5d" in found
+    code, out = doctor(sqlite_db, capsys, *broker, "--retention", "2d", "--window", "ledger=5d")
+    assert code == 0 and "ok    window ledger" in out, out
