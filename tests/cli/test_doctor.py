@@ -15,7 +15,7 @@ from typing import Any
 
 import pika  # type: ignore[import-untyped]
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
