@@ -15,6 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy import Engine, Table
+
+from ..db import catalog
 from ..errors import ConfigurationError
 from ..outbox import parked
 from ..outbox.parked import OutboxEvent
@@ -119,7 +122,8 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(event.as_dict(), indent=2))
     else:
         for key, value in event.as_dict().items():
-            print(f"{key + ':':17} {'-' if value is None else value}")
+            shown = json.dumps(value) if isinstance(value, dict) else value
+            print(f"{key + ':':17} {'-' if value is None else shown}")
     return 0
 
 
@@ -169,7 +173,20 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
     _, engine, tables = open_database(args)
     if tables.outbox in missing_tables(engine, tables):  # the only one read here
         raise CommandError(f"table {tables.outbox.fullname} not found; run `{PROG} init-db` first")
+    require_columns(engine, tables.outbox)
     return engine, tables
+
+
+def require_columns(engine: Engine, table: Table) -> None:
+    """CommandError naming the columns an older release's table lacks (parked_at, ...)."""
+    with engine.connect() as conn:
+        missing = catalog.missing_columns(conn, table)
+    if missing:
+        names = ", ".join(column.name for column in missing)
+        raise CommandError(
+            f"table {table.fullname} lacks column(s) {names} (made by an older release): "
+            f"run `{PROG} init-db`, which adds them"
+        )
 
 
 def _os_user() -> str:

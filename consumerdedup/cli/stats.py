@@ -15,6 +15,7 @@ from ..db.partitions import DayPartitions
 from ..prune.idempotency import IN_FLIGHT
 from ..schema import Tables
 from .common import open_database, require_tables
+from .outbox import require_columns
 from .redact import shown
 
 KEY_COLUMNS = ("live", "expired", "in_flight", "abandoned", "not_stored")
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     url, engine, tables = open_database(args)
     require_tables(engine, tables)
     pe, ob = tables.processed_events, tables.outbox
+    require_columns(engine, ob)
     consumers, outbox = consumer_stats(engine, pe), outbox_stats(engine, ob)
     ik = tables.idempotency_keys
     keys = key_stats(engine, ik)

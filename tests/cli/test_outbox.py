@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+from sqlalchemy import text
 
 from consumerdedup import OutboxRelay
 from consumerdedup.cli.main import main
@@ -103,3 +104,17 @@ def test_list_show_replay_abandon_and_stats(db: Database, cli: Cli) -> None:
     assert "abandoned 0 parked event(s)" in by_default.stdout  # abandoned already: left alone
     stats = json.loads(cli(db, "stats", "--json").stdout)["outbox"]
     assert (stats["parked"], stats["abandoned"], stats["unpublished"]) == (0, 1, 0)
+
+
+def test_an_outbox_from_an_older_release_says_run_init_db(db: Database, cli: Cli) -> None:
+    outbox = db.tables.outbox.fullname
+    with db.engine.begin() as conn:
+        for column in ("parked_at", "abandoned_by"):
+            conn.execute(text(f"ALTER TABLE {outbox} DROP COLUMN {column}"))
+    for args in (("stats",), ("outbox", "list")):
+        old = cli(db, *args)
+        assert old.returncode == 1, old.stdout
+        assert "lacks column(s) parked_at, abandoned_by" in old.stderr
+        assert "init-db" in old.stderr
+    assert cli(db, "init-db").returncode == 0
+    assert cli(db, "outbox", "list").stdout == "no parked outbox events\n"
