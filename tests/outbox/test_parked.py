@@ -122,3 +122,20 @@ def test_the_pruner_removes_abandoned_rows_past_the_outbox_cutoff(db: Database) 
     with db.engine.connect() as conn:
         left = set(conn.execute(select(ob.c.event_id)).scalars())
     assert left == {ids[1], ids[2]}  # p2 (held back) and q1 (published now) stay
+
+
+def test_a_row_past_max_attempts_but_never_parked_is_tried_once_then_parked(
+    db: Database,
+) -> None:
+    """An older release derived parked from attempts alone: such a row is tried again once,
+    and stored as parked if it fails again (or published if the cause is gone)."""
+    ids = add_events(db, [("old", "k"), ("cured", None), ("next", "k")])
+    ob = db.tables.outbox
+    with db.engine.begin() as conn:
+        conn.execute(ob.update().where(ob.c.event_id.in_(ids[:2])).values(attempts=50))
+    publisher = FlakyPublisher({"old": 1})
+    relay = OutboxRelay(db.engine, publisher, tables=db.tables, config=config(10))
+    relay.drain()
+    assert publisher.calls == ["old", "cured"]
+    assert relay.parked() == [(ids[0], "ValueError: refused old")]
+    assert published(publisher) == ["cured"]  # "next" stays behind "old"
