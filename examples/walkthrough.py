@@ -38,9 +38,9 @@ def place_order(message: Message, session: Session) -> None:
 for n in range(20):
     body = json.dumps({"id": f"order-{n}", "total": 10 * n}).encode()
     broker.publish("orders", body, message_id=f"evt-{n}")
-MemoryConsumerRunner(
-    place_order, "orders", broker=broker, config=MemoryConfig(batch_size=10)
-).run(until_idle=True)
+config = MemoryConfig(batch_size=10)
+runner = MemoryConsumerRunner(place_order, "orders", broker=broker, config=config)
+runner.run(until_idle=True)
 
 # 2. The relay: publishes committed outbox rows, at least once, in order per key.
 with OutboxRelay(engine, broker) as relay:
