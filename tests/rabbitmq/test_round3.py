@@ -271,7 +271,7 @@ def test_a_relay_whose_rabbitmq_refuses_its_credentials_stops_and_charges_no_eve
     url = f"amqp://nobody:wrong@{params.host}:{params.port}/%2F"
     for step in ("run_once", "run"):
         relay = OutboxRelay(db.engine, RabbitPublisher(url), tables=db.tables)
-        with pytest.raises(BrokerRefused, match="refused the connection") as refused:
+        with pytest.raises(BrokerRefused, match="refused the credentials") as refused:
             getattr(relay, step)()
         relay.close()
         assert isinstance(refused.value, ConfigurationError)

@@ -331,7 +331,7 @@ def test_wrong_credentials_are_reported_at_once(db: Any, amqp_url: str) -> None:
     url = f"amqp://nobody:wrong@{params.host}:{params.port}/%2F"
     # A setup fault (issue 17, item 10): a ConfigurationError, no longer a BrokerUnavailable,
     # which the outbox relay would take for an outage and retry forever.
-    with pytest.raises(BrokerRefused, match="refused the connection") as refused:
+    with pytest.raises(BrokerRefused, match="refused the credentials") as refused:
         RabbitConsumerRunner(handler, "q", url=url).run()
     assert isinstance(refused.value, ConfigurationError) and "wrong" not in str(refused.value)
 
