@@ -356,12 +356,19 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
         if table.fullname not in present:
             table.create(bind)  # with its indexes; a new table is nobody's to wait on
             continue
+        if lacking := catalog.missing_keys(bind, table):
+            # Fails closed: dedup (or the outbox's event_id) rests on the key, and adding one
+            # to a table in use is a migration's decision (it locks and may find twins).
+            raise ConfigurationError(
+                f"{table.fullname} lacks its {', '.join(lacking)}: restore it in a migration "
+                "(docs/migrations.md); without it an effect can be applied twice"
+            )
         for column in catalog.missing_columns(bind, table):
             _add_column(bind, table, column)
         for index in catalog.missing_indexes(bind, table):
             with catalog.bounded(bind, table, f"create its index {index.name}"):
-                if postgres:
-                    bind.execute(text(f"DROP INDEX IF EXISTS {_sibling(table, str(index.name))}"))
+                # Invalid, or ours by name on other columns: made again as defined.
+                bind.execute(text(f"DROP INDEX IF EXISTS {_sibling(table, str(index.name))}"))
                 index.create(bind)
     if postgres:
         # A newer release recorded its version (a rolling deploy): its trigger stays as it

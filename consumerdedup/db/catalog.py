@@ -10,12 +10,13 @@ and then fails with ``SchemaLocked``, naming the table and the fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Column, Connection, Index, Table, inspect, text
+from sqlalchemy import Column, Connection, Index, Table, UniqueConstraint, inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import ConsumerDedupError
@@ -61,18 +62,90 @@ def missing_columns(conn: Connection, table: Table) -> list[Column[Any]]:
 
 
 def missing_indexes(conn: Connection, table: Table) -> list[Index]:
-    """The table's indexes (as defined on it) that the database lacks or holds invalid
-    (a failed CREATE INDEX CONCURRENTLY leaves one); an invalid one is dropped first."""
+    """The table's indexes (as defined on it) that the database lacks, holds invalid (a
+    failed CREATE INDEX CONCURRENTLY leaves one) or holds under the same name on other
+    columns, uniqueness or predicate (a hand-made or migrated one): each is dropped first.
+    A name alone proves nothing; the definition is compared."""
     wanted = sorted(table.indexes, key=lambda i: str(i.name))
-    if conn.dialect.name != "postgresql":
-        found = {i["name"] for i in inspect(conn).get_indexes(table.name, schema=table.schema)}
-        return [i for i in wanted if i.name not in found]
-    statement = text(
-        "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-        "WHERE i.indrelid = to_regclass(:t)"
-    )
-    valid = {str(name): bool(ok) for name, ok in conn.execute(statement, {"t": table_sql(table)})}
-    return [i for i in wanted if valid.get(str(i.name)) is not True]
+    found = _index_shapes(conn, table)
+    return [i for i in wanted if found.get(str(i.name)) != _shape(i, conn)]
+
+
+_PARTIAL = ("postgresql", "sqlite")
+IndexShape = tuple[tuple[str, ...], bool, str]
+"""(columns in order, unique, predicate normalized): what an index must be to count."""
+
+
+def _shape(index: Index, conn: Connection) -> IndexShape:
+    dialect = conn.dialect.name
+    where = index.dialect_options[dialect].get("where") if dialect in _PARTIAL else None
+    columns = tuple(str(c.name) for c in index.columns)
+    return columns, bool(index.unique), _predicate(str(where) if where is not None else "")
+
+
+def _predicate(text_: str) -> str:
+    return re.sub(r"[()\s]", "", text_).lower()
+
+
+def _index_shapes(conn: Connection, table: Table) -> dict[str, IndexShape | None]:
+    """Each index the database has on ``table``, by name; None for an invalid one."""
+    if conn.dialect.name == "postgresql":
+        statement = text(
+            "SELECT c.relname, i.indisvalid, i.indisunique, "
+            "COALESCE(pg_get_expr(i.indpred, i.indrelid), ''), "
+            "ARRAY(SELECT a.attname FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(n, o) "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.n ORDER BY k.o) "
+            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = to_regclass(:t)"
+        )
+        return {
+            str(name): (tuple(cols), bool(unique), _predicate(pred)) if ok else None
+            for name, ok, unique, pred, cols in conn.execute(statement, {"t": table_sql(table)})
+        }
+    found: dict[str, IndexShape | None] = {}
+    for index in inspect(conn).get_indexes(table.name, schema=table.schema):
+        where = index.get("dialect_options", {}).get("sqlite_where")
+        columns = tuple(str(c) for c in index["column_names"])
+        found[str(index["name"])] = (
+            columns,
+            bool(index["unique"]),
+            _predicate(str(where) if where is not None else ""),
+        )
+    return found
+
+
+def _unpartitioned(columns: list[str]) -> list[str]:
+    """A key without its trailing partition column: a partitioned processed_events' key
+    must hold processed_at, and a Tables defined without partitioned=True still uses it."""
+    return columns[:-1] if columns[-1:] == ["processed_at"] else columns
+
+
+def missing_keys(conn: Connection, table: Table) -> list[str]:
+    """The primary key and unique constraints the table is defined with that the database's
+    table lacks (dropped by a migration, or the table made by hand): dedup and the outbox's
+    event_id rest on them, so a table without one must not be used."""
+    inspector = inspect(conn)
+    lacking = []
+    wanted_pk = [str(c.name) for c in table.primary_key.columns]
+    found_pk = inspector.get_pk_constraint(table.name, schema=table.schema)
+    found = [str(c) for c in found_pk.get("constrained_columns") or []]
+    if wanted_pk and _unpartitioned(found) != _unpartitioned(wanted_pk):
+        lacking.append(f"primary key ({', '.join(wanted_pk)})")
+    uniques = {
+        tuple(u["column_names"])
+        for u in inspector.get_unique_constraints(table.name, schema=table.schema)
+    }
+    uniques |= {
+        tuple(str(c) for c in i["column_names"])
+        for i in inspector.get_indexes(table.name, schema=table.schema)
+        if i["unique"] and not (i.get("dialect_options") or {}).get(f"{conn.dialect.name}_where")
+    }
+    for constraint in table.constraints:
+        if isinstance(constraint, UniqueConstraint):
+            columns = tuple(str(c.name) for c in constraint.columns)
+            if columns not in uniques:
+                lacking.append(f"unique ({', '.join(columns)})")
+    return lacking
 
 
 def function(conn: Connection, schema: str | None, name: str) -> tuple[int, str] | None:

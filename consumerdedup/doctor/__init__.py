@@ -94,7 +94,8 @@ def diagnose(
 
 
 def startup_checks(engine: Engine, tables: Tables = DEFAULT) -> list[Check]:
-    """The cheap part, for a runner or relay at start: reachable, tables present, rights."""
+    """The cheap part, for a runner or relay at start: reachable, tables present, their keys
+    (dedup rests on them), rights."""
     from . import checks
 
     found = [checks.engine_settings(engine)]
@@ -107,6 +108,7 @@ def startup_checks(engine: Engine, tables: Tables = DEFAULT) -> list[Check]:
         structure, present = checks.tables(conn, tables)
         found.append(structure)
         if present:
+            found.append(checks.keys(conn, tables, present))
             found.append(checks.write_rights(conn, tables, present))
         if conn.in_transaction():
             conn.rollback()

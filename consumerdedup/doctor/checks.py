@@ -73,23 +73,38 @@ def layout(conn: Connection, tables: Tables, present: set[str]) -> list[Check]:
     """Columns and indexes each present table lacks (a migration may have dropped one)."""
     columns: list[str] = []
     indexes: list[str] = []
+    found = [keys(conn, tables, present)]
     for table in tables.owned:
         if table.fullname not in present:
             continue
         columns += [f"{table.fullname}.{c.name}" for c in catalog.missing_columns(conn, table)]
         indexes += [f"{i.name} on {table.fullname}" for i in catalog.missing_indexes(conn, table)]
-    found = []
     if columns:
         found.append(Check("columns", FAIL, f"missing: {', '.join(columns)}", INIT_DB))
     else:
         found.append(Check("columns", OK, "every column present"))
     if indexes:
-        detail = f"missing or invalid: {', '.join(indexes)}"
+        detail = f"missing, invalid or on other columns: {', '.join(indexes)}"
         found.append(Check("indexes", FAIL, detail, INIT_DB))
     else:
         count = sum(len(t.indexes) for t in tables.owned if t.fullname in present)
         found.append(Check("indexes", OK, f"all {count} present and valid"))
     return found
+
+
+def keys(conn: Connection, tables: Tables, present: set[str]) -> Check:
+    """The primary keys and unique constraints dedup and the outbox rest on: without one,
+    two deliveries of a message could both claim it (an effect doubled)."""
+    lacking = [
+        f"{key} on {table.fullname}"
+        for table in tables.owned
+        if table.fullname in present
+        for key in catalog.missing_keys(conn, table)
+    ]
+    if lacking:
+        fix = "restore it in a migration (docs/migrations.md) before any consumer runs"
+        return Check("keys", FAIL, f"missing: {', '.join(lacking)}", fix)
+    return Check("keys", OK, "every primary key and unique constraint present")
 
 
 def write_rights(conn: Connection, tables: Tables, present: set[str]) -> Check:

@@ -1,0 +1,84 @@
+"""Round 1 of attacks on the operator tools (issue 23), through the public API and CLI,
+against the real services: each test is one way a tool could lose or double an effect,
+leak a value, or say something untrue."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from consumerdedup.cli.main import main
+from consumerdedup.db import catalog
+from consumerdedup.doctor import require_startup
+from consumerdedup.errors import ConfigurationError
+from consumerdedup.schema import install
+from tests.conftest import Database
+
+
+def _doctor(db: Database, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    tables = ["--processed-events-table", db.tables.processed_events.fullname]
+    tables += ["--outbox-table", db.tables.outbox.fullname]
+    code = main(["--db", db.url, *tables, "doctor"])
+    return code, capsys.readouterr().out
+
+
+def test_doctor_fails_an_index_of_our_name_on_other_columns(
+    db: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ob = db.tables.outbox
+    index = next(i for i in ob.indexes if str(i.name).endswith("published_at"))
+    qualified = f"{db.schema}.{index.name}" if db.schema else str(index.name)
+    with db.engine.begin() as conn:
+        conn.execute(text(f"DROP INDEX {qualified}"))
+        conn.execute(text(f"CREATE INDEX {index.name} ON {db.name(ob.name)} (destination)"))
+    code, out = _doctor(db, capsys)
+    assert code == 1 and str(index.name) in out, out
+
+
+def test_doctor_fails_a_dropped_primary_key(
+    pg: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pe = pg.tables.processed_events
+    with pg.engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {pg.name(pe.name)} DROP CONSTRAINT {pe.name}_pkey"))
+    code, out = _doctor(pg, capsys)
+    assert code == 1, out
+
+
+def test_doctor_fails_a_dropped_event_id_unique(
+    pg: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ob = pg.tables.outbox
+    with pg.engine.begin() as conn:
+        name = conn.execute(
+            text(
+                "SELECT conname FROM pg_constraint WHERE conrelid = to_regclass(:t) "
+                "AND contype = 'u'"
+            ),
+            {"t": pg.name(ob.name)},
+        ).scalar_one()
+        conn.execute(text(f"ALTER TABLE {pg.name(ob.name)} DROP CONSTRAINT {name}"))
+    code, out = _doctor(pg, capsys)
+    assert code == 1, out
+
+
+def test_install_remakes_an_index_of_our_name_on_other_columns(db: Database) -> None:
+    ob = db.tables.outbox
+    index = next(i for i in ob.indexes if str(i.name).endswith("unpublished"))
+    qualified = f"{db.schema}.{index.name}" if db.schema else str(index.name)
+    with db.engine.begin() as conn:
+        conn.execute(text(f"DROP INDEX {qualified}"))
+        conn.execute(text(f"CREATE INDEX {index.name} ON {db.name(ob.name)} (destination)"))
+    install(db.engine, db.tables)
+    with db.engine.connect() as conn:
+        assert catalog.missing_indexes(conn, ob) == []
+
+
+def test_install_and_startup_refuse_a_table_without_its_key(pg: Database) -> None:
+    pe = pg.tables.processed_events
+    with pg.engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {pg.name(pe.name)} DROP CONSTRAINT {pe.name}_pkey"))
+    with pytest.raises(ConfigurationError, match="primary key"):
+        install(pg.engine, pg.tables)
+    with pytest.raises(ConfigurationError, match="keys: missing: primary key"):
+        require_startup(pg.engine, pg.tables)
