@@ -31,6 +31,10 @@ MASK = "..."
 _QUOTED = re.compile(r'".*"', re.DOTALL)
 """From the first double quote to the last: a quoted value may itself hold quotes."""
 _NUMBER = re.compile(r"\d{4,}")
+_CARDLIKE = re.compile(r"\d(?:[ -]?\d){11,}")
+"""12 digits or more, maybe in groups: a card or account number, even where a name is kept
+(SQL that double-quotes a value makes it an identifier: ``column "4111..." does not
+exist``). Names of ours never hold one (a day partition's has 8)."""
 _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s]*@")
 _DSN_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|\S+)", re.IGNORECASE)
 _TRAILERS = re.compile(r"\n(?:DETAIL|HINT|CONTEXT|QUERY|LINE \d+|WHERE|STATEMENT):.*", re.DOTALL)
@@ -175,7 +179,7 @@ def _driver_text(error: BaseException) -> str:
     ]
     if state:
         facts.insert(0, f"SQLSTATE {state}")
-    return f"{text} ({'; '.join(facts)})" if facts else text
+    return _CARDLIKE.sub(MASK, f"{text} ({'; '.join(facts)})" if facts else text)
 
 
 def masked(message: str) -> str:

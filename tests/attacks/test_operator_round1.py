@@ -11,6 +11,7 @@ from consumerdedup.cli.main import main
 from consumerdedup.db import catalog
 from consumerdedup.doctor import require_startup
 from consumerdedup.errors import ConfigurationError
+from consumerdedup.reasons import describe
 from consumerdedup.schema import install
 from tests.conftest import Database
 
@@ -60,6 +61,14 @@ def test_doctor_fails_a_dropped_event_id_unique(
         conn.execute(text(f"ALTER TABLE {pg.name(ob.name)} DROP CONSTRAINT {name}"))
     code, out = _doctor(pg, capsys)
     assert code == 1, out
+
+
+def test_a_card_number_quoted_as_an_identifier_is_masked(pg: Database) -> None:
+    card = "4111111111111111"
+    with pytest.raises(Exception) as caught, pg.engine.connect() as conn:
+        conn.execute(text(f'SELECT 1 FROM {pg.name("outbox")} WHERE key = "{card}"'))
+    said = describe(caught.value)
+    assert card not in said, said
 
 
 def test_install_remakes_an_index_of_our_name_on_other_columns(db: Database) -> None:
