@@ -28,6 +28,15 @@ ENV_URL = "CONSUMERDEDUP_DB_URL"
 log = logging.getLogger("consumerdedup.cli")
 
 
+def printable(text: str) -> str:
+    """``text`` for the operator's terminal: every control, format or separator character
+    (a newline, ESC, a bidi override) escaped as Python writes it. Ids and reasons are the
+    producers' text: raw, a newline forges a table row and ESC rewrites the screen."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 class CommandError(Exception):
     """A failure reported as one line: exit 1 (runtime)."""
 

@@ -23,7 +23,7 @@ from ..failed import KAFKA_GROUP as GROUP
 from ..failed import records
 from ..failed.records import FailedRecord, Filters
 from ..headers import DEAD_LETTER_SUFFIX, ID_HEADER
-from .common import PROG, CommandError, UsageError, missing_tables, open_database
+from .common import PROG, CommandError, UsageError, missing_tables, open_database, printable
 
 NAME = "failed"
 HELP = "FAILED records: list, show, forget, and replay their dead letters"
@@ -162,7 +162,7 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(record.as_dict(), indent=2))
     else:
         for key, value in record.as_dict().items():
-            print(f"{key + ':':12} {value}")
+            print(f"{key + ':':12} {printable(str(value))}")
     return 0
 
 
@@ -246,10 +246,11 @@ def _summary(args: argparse.Namespace, dlq: str, report: Any) -> int:
     if args.dry_run:
         for letter in report.replayed:
             print(
-                f"would replay {letter.consumer} {letter.message_id} -> {args.to or letter.source}"
+                f"would replay {_letter(letter.consumer)} {_letter(letter.message_id)} -> "
+                f"{_letter(args.to or letter.source)}"
             )
     for letter, why in report.kept:
-        print(f"kept in {dlq}: {letter.message_id or '(no id)'}: {why}")
+        print(f"kept in {dlq}: {_letter(letter.message_id or '(no id)')}: {printable(why)}")
     forgot = "would forget" if args.dry_run else "forgot"
     print(
         f"{verb} {len(report.replayed)} dead letter(s) from {dlq!r}; {forgot} "
@@ -265,7 +266,8 @@ def _printer() -> Callable[[Any], None]:
     def confirmed(letter: Any) -> None:
         nonlocal count
         count += 1
-        print(f"replayed {letter.consumer} {letter.message_id} -> {letter.source}", flush=True)
+        said = " ".join(_letter(v) for v in (letter.consumer, letter.message_id))
+        print(f"replayed {said} -> {_letter(letter.source)}", flush=True)
         if count == pause_after:
             print("paused (test hook)", flush=True)
             threading.Event().wait()
@@ -320,6 +322,10 @@ def _matching(engine: Any, tables: Any, filters: Filters) -> list[str]:
         cursor = page.next_cursor
 
 
+def _letter(value: Any) -> str:
+    return printable(str(value))
+
+
 def _confirm(args: argparse.Namespace, question: str) -> None:
     if args.yes:
         return
@@ -334,7 +340,7 @@ def _named(ids: Sequence[str]) -> str:
     if not ids:
         return ""
     more = f" and {len(ids) - _SHOWN} more" if len(ids) > _SHOWN else ""
-    return ": " + ", ".join(ids[:_SHOWN]) + more
+    return ": " + ", ".join(printable(i) for i in ids[:_SHOWN]) + more
 
 
 def _unmatched(ids: Sequence[str], found: Sequence[str]) -> None:
@@ -349,11 +355,11 @@ def _unmatched(ids: Sequence[str], found: Sequence[str]) -> None:
 def _table(found: Sequence[FailedRecord]) -> None:
     rows = [("CONSUMER", "MESSAGE ID", "FAILED AT", "REASON")]
     for r in found:
-        reason = " ".join((r.reason or "").split())
+        reason = printable(" ".join((r.reason or "").split()))
         rows.append(
             (
-                r.consumer,
-                r.message_id,
+                printable(r.consumer),
+                printable(r.message_id),
                 r.failed_at.strftime("%Y-%m-%d %H:%M:%S"),
                 reason if len(reason) <= 60 else reason[:59] + "…",
             )

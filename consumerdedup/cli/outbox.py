@@ -21,7 +21,7 @@ from ..db import catalog
 from ..errors import ConfigurationError
 from ..outbox import parked
 from ..outbox.parked import OutboxEvent
-from .common import PROG, CommandError, UsageError, missing_tables, open_database
+from .common import PROG, CommandError, UsageError, missing_tables, open_database, printable
 
 NAME = "outbox"
 HELP = "parked outbox events: list, show, replay (publish again), abandon"
@@ -123,7 +123,7 @@ def _show(args: argparse.Namespace) -> int:
     else:
         for key, value in event.as_dict().items():
             shown = json.dumps(value) if isinstance(value, dict) else value
-            print(f"{key + ':':17} {'-' if value is None else shown}")
+            print(f"{key + ':':17} {'-' if value is None else printable(str(shown))}")
     return 0
 
 
@@ -221,7 +221,7 @@ def _named(ids: Sequence[str]) -> str:
     if not ids:
         return ""
     more = f" and {len(ids) - _SHOWN} more" if len(ids) > _SHOWN else ""
-    return ": " + ", ".join(ids[:_SHOWN]) + more
+    return ": " + ", ".join(printable(i) for i in ids[:_SHOWN]) + more
 
 
 def _unmatched(ids: Sequence[str], found: Sequence[str]) -> None:
@@ -245,12 +245,12 @@ def _table(found: Sequence[OutboxEvent], *, abandoned: bool) -> None:
     for e in found:
         at = e.abandoned_at if abandoned else e.parked_at
         why = f"{e.abandoned_by}: {e.abandoned_reason}" if abandoned else (e.parked_reason or "")
-        why = " ".join(why.split())
+        why = printable(" ".join(why.split()))
         rows.append(
             (
-                e.event_id,
-                e.destination,
-                e.key or "-",
+                printable(e.event_id),
+                printable(e.destination),
+                printable(e.key or "-"),
                 str(e.attempts),
                 at.strftime("%Y-%m-%d %H:%M:%S") if at else "-",
                 why if len(why) <= 60 else why[:59] + "…",

@@ -4,8 +4,10 @@ leak a value, or say something untrue."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
-from sqlalchemy import text
+from sqlalchemy import insert, text
 
 from consumerdedup.cli.main import main
 from consumerdedup.db import catalog
@@ -91,3 +93,31 @@ def test_install_and_startup_refuse_a_table_without_its_key(pg: Database) -> Non
         install(pg.engine, pg.tables)
     with pytest.raises(ConfigurationError, match="keys: missing: primary key"):
         require_startup(pg.engine, pg.tables)
+
+
+def test_failed_list_prints_no_control_character_of_a_message_id(
+    db: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A message id is the producer's text: a newline in it forged a table row, an escape
+    sequence rewrote the operator's terminal."""
+    forged = "m1\nbilling  m2  2026-01-01 00:00:00 \x1b[2K\rforgot"
+    with db.engine.begin() as conn:
+        conn.execute(
+            insert(db.tables.processed_events).values(
+                consumer="billing",
+                message_id=forged,
+                processed_at=datetime.now(UTC),
+                payload_hash="0" * 64,
+                outcome="failed",
+                error="KeyError: 'sku'",
+            )
+        )
+    base = ["--db", db.url, "--processed-events-table", db.tables.processed_events.fullname]
+    assert main([*base, "failed", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert main([*base, "forget", "--consumer", "billing", forged, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    for out in (listed, said):
+        assert "\x1b" not in out and "\r" not in out, out
+    assert len(listed.splitlines()) == 3, listed  # header, the record, (last page)
+    assert len(said.splitlines()) == 1 and "m1\\n" in said, said
