@@ -150,11 +150,17 @@ class HandlerCall:
         root = transaction
         while root.parent is not None:
             root = root.parent
-        # A new transaction after the handler's rollback() is not a second connection of
-        # ours: verify reports that one (TransactionBroken, the message's own failure).
         if root is self.transaction:
             self.second_connection = True
             raise TransactionBroken(_TWO_CONNECTIONS)
+        # A new transaction after the handler's rollback() or close(): nothing of the handler's
+        # may run in it, as it is not the pipeline's (its connection is unguarded, so its
+        # commit would go through, again on every retry). The message's own failure.
+        self.ended = "the handler ended the session's transaction (rollback or close)"
+        raise TransactionBroken(
+            f"{self.ended}, then went on in a new transaction: its writes there would commit "
+            f"apart from the dedup record; {_ADVICE}"
+        )
 
     # Connection listeners ---------------------------------------------------------------------
 
