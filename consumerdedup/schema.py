@@ -37,7 +37,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
-from .db import catalog
+from .db import catalog, sqlite
 from .db.catalog import SchemaLocked
 from .db.names import fit_name, split_name, table_sql
 from .db.partitions import AHEAD, DayPartitions
@@ -336,6 +336,7 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
         with bind.begin() as conn:
             install(conn, tables)
         return
+    _one_install_at_a_time(bind)
     postgres = bind.dialect.name == "postgresql"
     if tables.partitioned and not postgres:
         raise ConfigurationError(
@@ -455,6 +456,22 @@ def _versions(conn: Connection, tables: Tables) -> dict[str, int]:
     names = [t.fullname for t in tables.all]
     query = select(vt.c.table_name, vt.c.version).where(vt.c.table_name.in_(names))
     return {name: int(version) for name, version in conn.execute(query)}
+
+
+INSTALL_LOCK = "consumerdedup.install"
+"""PostgreSQL: the advisory lock (one-int form, hashtext of this) every install() holds
+to the end of its transaction."""
+
+
+def _one_install_at_a_time(conn: Connection) -> None:
+    """Installs serialize before reading the catalog: two processes starting at once would
+    both read "missing" and both CREATE, and the second fail (a duplicate pg_namespace or
+    pg_type row, "table already exists"). PostgreSQL: an advisory lock only installs take
+    (producers and relays never wait on it); SQLite: the write lock (BEGIN IMMEDIATE)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": INSTALL_LOCK})
+    else:
+        sqlite.begin_immediate(conn)
 
 
 def installed_version(bind: Engine | Connection, tables: Tables = DEFAULT) -> int | None:

@@ -4,17 +4,20 @@ leak a value, or say something untrue."""
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import insert, text
+from sqlalchemy import Connection, create_engine, insert, text
 
 from consumerdedup.cli.main import main
 from consumerdedup.db import catalog
 from consumerdedup.doctor import require_startup
 from consumerdedup.errors import ConfigurationError
 from consumerdedup.reasons import describe
-from consumerdedup.schema import install
+from consumerdedup.schema import Tables, install
 from tests.conftest import Database
 
 
@@ -121,3 +124,44 @@ def test_failed_list_prints_no_control_character_of_a_message_id(
         assert "\x1b" not in out and "\r" not in out, out
     assert len(listed.splitlines()) == 3, listed  # header, the record, (last page)
     assert len(said.splitlines()) == 1 and "m1\\n" in said, said
+
+
+def test_two_installs_at_once_both_succeed(postgres_url: str) -> None:
+    """The second install() read the catalog while the first had created the schema but not
+    committed, then failed on pg_namespace's unique index. Now it waits for the first."""
+    schema = f"race_{uuid.uuid4().hex[:12]}"
+    tables = Tables.define(f"{schema}.processed_events", f"{schema}.outbox")
+    first = create_engine(postgres_url)
+    second = create_engine(postgres_url, connect_args={"application_name": schema})
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            install(second, tables)
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+
+    try:
+        with first.begin() as conn:
+            install(conn, tables)
+            racer = threading.Thread(target=other)
+            racer.start()
+            deadline = time.monotonic() + 30
+            while not errors and not _waiting(conn, schema):  # until the second waits on us
+                assert time.monotonic() < deadline, "the second install never waited"
+        racer.join(timeout=30)
+        assert not errors, describe(errors[0])
+    finally:
+        with first.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        first.dispose()
+        second.dispose()
+
+
+def _waiting(conn: Connection, application_name: str) -> bool:
+    query = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = :a "
+        "AND wait_event_type = 'Lock'"
+    )
+    with conn.engine.connect() as probe:
+        return bool(probe.execute(query, {"a": application_name}).scalar())

@@ -97,8 +97,10 @@ class Statements:
         event.remove(self.engine, "before_cursor_execute", self._record)
 
     def changes(self) -> list[str]:
-        """What is not a read (SELECT, or a PRAGMA read on SQLite)."""
-        return [s for s in self.sent if not s.upper().startswith(("SELECT", "PRAGMA"))]
+        """What is not a read (SELECT, or a PRAGMA read on SQLite). SQLite's BEGIN IMMEDIATE
+        is install()'s write lock, one install at a time (it changes nothing)."""
+        reads = ("SELECT", "PRAGMA", "BEGIN IMMEDIATE")
+        return [s for s in self.sent if not s.upper().startswith(reads)]
 
 
 def outbox_row(event_id: str) -> dict[str, Any]:
