@@ -77,9 +77,11 @@ def replay(
             if not batch:
                 break
             todo -= len(batch)
-            report.forgotten += _forget(engine, tables, batch, dry_run)
-            for tag, letter, properties, body in batch:
-                why = _unreplayable(letter, properties, to)
+            # Only what can go back is forgotten: a letter kept keeps its FAILED record listed.
+            verdicts = _verdicts(connection, batch, to)
+            going = [t for t, why in zip(batch, verdicts, strict=True) if why is None]
+            report.forgotten += _forget(engine, tables, going, dry_run)
+            for (tag, letter, properties, body), why in zip(batch, verdicts, strict=True):
                 if why is None and not dry_run:
                     why = _republish(channel, to or str(letter.source), properties, body)
                 if why is not None:
@@ -119,6 +121,41 @@ def _take(channel: Any, queue: str, count: int, id_header: str) -> list[Taken]:
         )
         batch.append((method.delivery_tag, letter, properties, body))
     return batch
+
+
+def _verdicts(connection: Any, batch: Sequence[Taken], to: str | None) -> list[str | None]:
+    """Why each dead letter of ``batch`` cannot go back (None: it can): its headers, or a
+    source queue the broker no longer has (deleted since)."""
+    verdicts = [_unreplayable(letter, properties, to) for _, letter, properties, _ in batch]
+    targets = [to or str(letter.source) for _, letter, _, _ in batch]
+    gone = _missing_queues(
+        connection, {q for q, why in zip(targets, verdicts, strict=True) if why is None}
+    )
+    return [
+        f"no queue {q!r} to return to" if why is None and q in gone else why
+        for q, why in zip(targets, verdicts, strict=True)
+    ]
+
+
+def _missing_queues(connection: Any, queues: set[str]) -> set[str]:
+    """Which of ``queues`` the broker does not have (a passive declare answered 404), asked
+    on a channel of its own: the broker closes a channel on each 404."""
+    missing: set[str] = set()
+    channel = None
+    try:
+        for queue in sorted(queues):
+            if channel is None or not channel.is_open:
+                channel = connection.channel()
+            try:
+                channel.queue_declare(queue, passive=True)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                missing.add(queue)
+    finally:
+        if channel is not None and channel.is_open:
+            channel.close()
+    return missing
 
 
 def _forget(engine: Engine, tables: Tables, batch: Sequence[Taken], dry_run: bool) -> int:

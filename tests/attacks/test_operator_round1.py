@@ -16,9 +16,13 @@ from consumerdedup.cli.main import main
 from consumerdedup.db import catalog
 from consumerdedup.doctor import require_startup
 from consumerdedup.errors import ConfigurationError
+from consumerdedup.failed import rabbitmq
+from consumerdedup.headers import CONSUMER_HEADER
 from consumerdedup.reasons import describe
 from consumerdedup.schema import Tables, install
 from tests.conftest import Database
+from tests.failed.test_replay_rabbitmq import IDS, Shop
+from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
 
 def _doctor(db: Database, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -165,3 +169,37 @@ def _waiting(conn: Connection, application_name: str) -> bool:
     )
     with conn.engine.connect() as probe:
         return bool(probe.execute(query, {"a": application_name}).scalar())
+
+
+@pytest.fixture
+def bad_deploy(pg: Database, rabbit: Broker) -> Shop:
+    """tests/failed's shop after its bad deploy: 5 orders FAILED, in the DLQ."""
+    shop = Shop(pg, rabbit)
+    shop.consume()
+    assert shop.rabbit.ready(shop.queue + ".dlq") == 5
+    return shop
+
+
+def test_a_replay_to_a_deleted_queue_keeps_letters_and_records(bad_deploy: Shop) -> None:
+    """The source queue is gone: each dead letter stays in the DLQ, and its FAILED record
+    stays listed (before: forgotten although nothing went back)."""
+    shop = bad_deploy
+    shop.rabbit.channel.queue_delete(shop.queue)
+    report = rabbitmq.replay(
+        shop.db.engine, shop.rabbit.url, shop.queue + ".dlq", tables=shop.db.tables
+    )
+    assert report.replayed == [] and len(report.kept) == 5
+    assert "no queue" in report.kept[0][1]
+    assert shop.rabbit.ready(shop.queue + ".dlq") == 5
+    assert report.forgotten == 0 and shop.outcomes() == dict.fromkeys(IDS, "failed")
+
+
+def test_dead_letters_without_our_headers_stay_where_they_are(bad_deploy: Shop) -> None:
+    shop = bad_deploy
+    dlq = shop.queue + ".dlq"
+    shop.rabbit.publish(dlq, b"{}", "foreign-1")
+    shop.rabbit.publish(dlq, b"{}", None, headers={CONSUMER_HEADER: "shop"})
+    report = rabbitmq.replay(shop.db.engine, shop.rabbit.url, dlq, tables=shop.db.tables)
+    assert len(report.replayed) == 5 and len(report.kept) == 2
+    assert shop.rabbit.ready(dlq) == 2
+    assert shop.outcomes() == {}
