@@ -79,6 +79,9 @@ async def replay_async(
         if not found:
             found = await _partitions(consumer, dead_letter_topic)
         partitions = [TopicPartition(dead_letter_topic, p) for p in sorted(found)]
+        # A copy goes only to a topic that exists: a broker that auto-creates topics would
+        # take a mistyped --to (or a deleted source) and the DLQ's offsets move past them.
+        known = set(await consumer.topics())
         consumer.assign(partitions)
         ends = await consumer.end_offsets(partitions)
         for tp in partitions:
@@ -99,7 +102,15 @@ async def replay_async(
                 if not batch:
                     continue
                 done = await _replay_batch(
-                    engine, tables, publisher, batch, to, id_header, dry_run, on_confirmed, report
+                    engine,
+                    tables,
+                    publisher,
+                    batch,
+                    (to, known),
+                    id_header,
+                    dry_run,
+                    on_confirmed,
+                    report,
                 )
                 if left is not None:
                     left -= done
@@ -125,17 +136,18 @@ async def _replay_batch(
     tables: Tables,
     publisher: Any,
     batch: Sequence[Any],
-    to: str | None,
+    target: tuple[str | None, set[str]],
     id_header: str,
     dry_run: bool,
     on_confirmed: Callable[[DeadLetter], Any] | None,
     report: ReplayReport,
 ) -> int:
     """Forget, then re-produce ``batch`` up to its first unreplayable record; how many went."""
+    to, known = target
     letters = [_letter(record, id_header) for record in batch]
     go = 0
     for letter in letters:
-        why = _unreplayable(letter, to)
+        why = _unreplayable(letter, to, known)
         if why is not None:
             report.kept.append((letter, why))
             break
@@ -167,9 +179,11 @@ def _letter(record: Any, id_header: str) -> DeadLetter:
     )
 
 
-def _unreplayable(letter: DeadLetter, to: str | None) -> str | None:
+def _unreplayable(letter: DeadLetter, to: str | None, known: set[str]) -> str | None:
     if not to and not letter.source:
         return f"no {SOURCE_HEADER} header: pass --to TOPIC"
+    if (topic := to or str(letter.source)) not in known:
+        return f"no topic {topic!r} to return to: create it (or pass --to TOPIC)"
     if letter.consumer is None:
         return f"no {CONSUMER_HEADER} header: its record cannot be forgotten"
     if letter.message_id is None:

@@ -4,6 +4,7 @@ leak a value, or say something untrue."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -16,12 +17,15 @@ from consumerdedup.cli.main import main
 from consumerdedup.db import catalog
 from consumerdedup.doctor import require_startup
 from consumerdedup.errors import ConfigurationError
+from consumerdedup.failed import kafka as kafka_replay
 from consumerdedup.failed import rabbitmq
 from consumerdedup.headers import CONSUMER_HEADER
 from consumerdedup.reasons import describe
 from consumerdedup.schema import Tables, install
 from tests.conftest import Database
+from tests.failed.test_replay_kafka import Shop as KafkaShop
 from tests.failed.test_replay_rabbitmq import IDS, Shop
+from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
 
@@ -203,3 +207,34 @@ def test_dead_letters_without_our_headers_stay_where_they_are(bad_deploy: Shop) 
     assert len(report.replayed) == 5 and len(report.kept) == 2
     assert shop.rabbit.ready(dlq) == 2
     assert shop.outcomes() == {}
+
+
+@pytest.fixture
+async def kafka_bad_deploy(pg: Database, kafka: KafkaService, topics: Topics) -> KafkaShop:
+    """tests/failed's Kafka shop after its bad deploy: 5 orders FAILED, in the DLQ topic."""
+    topic = await topics.create("shop")
+    for n, message_id in enumerate(IDS, 1):
+        value = json.dumps({"item": "book", "amount": n}).encode()
+        await topics.produce(topic, value, event_id=message_id)
+    shop = KafkaShop(pg, kafka, topic)
+    await shop.consume()
+    return shop
+
+
+async def test_a_kafka_replay_to_a_missing_topic_forgets_nothing(
+    kafka_bad_deploy: KafkaShop,
+) -> None:
+    """Before: the broker auto-created the mistyped topic: all 5 'replayed' into a topic
+    nobody reads, their FAILED records forgotten and the DLQ offsets committed past them,
+    so no later replay would take them again."""
+    shop = kafka_bad_deploy
+    report = await kafka_replay.replay_async(
+        shop.db.engine,
+        shop.kafka.bootstrap,
+        shop.topic + ".dlq",
+        tables=shop.db.tables,
+        to=f"gone-{uuid.uuid4().hex[:8]}",
+    )
+    assert report.replayed == [] and report.forgotten == 0
+    assert "no topic" in report.kept[0][1]
+    assert shop.outcomes() == dict.fromkeys(IDS, "failed")
