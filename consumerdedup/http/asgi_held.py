@@ -12,13 +12,18 @@ app until the middleware has recorded the response as not stored
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
+from datetime import timedelta
 from typing import Any
 
+from . import flow
 from .stored import StoredResponse
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
+log = logging.getLogger("consumerdedup.http")
 
 
 class HeldResponse:
@@ -83,6 +88,60 @@ class HeldResponse:
 
     def open_gate(self) -> None:
         self._gate.set()
+
+    def result(self, task: asyncio.Future[None]) -> flow.RunResult:
+        """What Run reports, once the response is decided; the app may still run."""
+        if self.completed.is_set():  # the app may still run (work after its response)
+            assert self.status is not None
+            return flow.Finished(StoredResponse.capture(self.status, self.headers, self.body))
+        if self.overflowed.is_set() and not task.done():
+            assert self.status is not None
+            return flow.Overflowed(self.status)
+        error = task.exception()
+        if error is not None or not self.complete or self.status is None:
+            return flow.Crashed(error)
+        return flow.Finished(StoredResponse.capture(self.status, self.headers, self.body))
+
+    async def deliver(self, task: asyncio.Future[None]) -> None:
+        """Send what the app produced (or re-raise its error), then let the app end."""
+        if self.overflowed.is_set() and not task.done():
+            self.open_gate()
+            await task
+            return
+        if not self.completed.is_set():
+            error = task.exception()
+            if error is not None:
+                raise error
+        for message in self.messages:
+            await self.send(message)
+        # What the app does after its response (background tasks) ends here; an error
+        # from it reaches the server after the response, as it would without us.
+        await task
+
+
+async def call(function: Callable[..., Any], *args: Any) -> Any:
+    """A store method, awaited if it is async, else run in a worker thread."""
+    if inspect.iscoroutinefunction(function):
+        return await function(*args)
+    return await asyncio.to_thread(function, *args)
+
+
+async def renew_lease(store: Any, held: flow.Claim, token: str, lease: timedelta) -> None:
+    """Renews ``held`` every third of its lease until cancelled or the claim is lost
+    (the twin of wsgi_held.LeaseRenewer)."""
+    every = lease.total_seconds() / 3
+    while True:
+        await asyncio.sleep(every)
+        try:
+            kept = await call(store.renew, held.scope, held.key, token, lease)
+        except Exception:
+            # One failed renewal (a dropped connection, a blip) must not end the renewing:
+            # the next one may still hold the claim before its lease runs out.
+            log.exception("idempotency lease renewal failed for %s", held.scope)
+            continue
+        if not kept:
+            log.warning("idempotency claim lost %s: its lease ran out", held.scope)
+            return
 
 
 async def send_response(send: Send, response: StoredResponse, replayed: bool) -> None:

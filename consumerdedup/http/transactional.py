@@ -16,7 +16,8 @@ the ASGI and WSGI middleware.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, event
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -24,6 +25,10 @@ from sqlalchemy.orm import Session
 
 from ..db.control_sql import transaction_control
 from ..errors import ConsumerDedupError
+
+if TYPE_CHECKING:
+    from .sql_store import SqlStore
+    from .stored import StoredResponse
 
 
 class CommitInEndpoint(ConsumerDedupError):
@@ -60,3 +65,19 @@ def hold_commits(session: Session | AsyncSession) -> Callable[[], None]:
     # The claim made the connection (claim_in), so this is the request's own; no I/O here.
     event.listen(target.connection(), "before_cursor_execute", refuse_sql)
     return allow
+
+
+def complete_and_commit(
+    store: SqlStore,
+    session: Session,
+    allow: Callable[[], None],
+    scope: str,
+    key: str,
+    token: str,
+    response: StoredResponse,
+    expiry: timedelta,
+) -> None:
+    """Store the response in the request's transaction, lift the guard, commit (blocking)."""
+    store.complete_in(session, scope, key, response, expiry, token)
+    allow()
+    session.commit()

@@ -1,0 +1,254 @@
+"""One request through the ASGI middleware: carries out flow's operations, awaited.
+
+``Exchange.drive`` steps flow.decide and does each operation's I/O: reads the body,
+claims (in the request's Session when transactional), runs the app with its response
+held back (asgi_held.py), completes or releases, then sends what flow decided. What it
+shares with the WSGI twin, without I/O, lives in exchange.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from . import flow
+from .asgi_held import HeldResponse, call, renew_lease, send_response
+from .exchange import (
+    SESSION_KEY,
+    claim_failed,
+    claim_in_failed,
+    log,
+    log_rolled_back,
+    new_session,
+)
+from .policy import RoutePolicy
+from .sql_store import AsyncSqlStore, ClaimLost
+from .store import Claimed, ClaimResult, InFlight
+from .stored import StoredResponse
+from .transactional import complete_and_commit, hold_commits
+
+if TYPE_CHECKING:
+    from .asgi import IdempotencyMiddleware, Message, Receive, Scope, Send
+
+# A response held back must reach the client as the app sent it, not through a file handle.
+_DIRECT_SENDS = ("http.response.pathsend", "http.response.zerocopysend")
+
+
+class Exchange:
+    """One request through the middleware: carries out flow's operations."""
+
+    def __init__(self, owner: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send):
+        self.owner = owner
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.body = b""
+        self.session: Session | AsyncSession | None = None
+        self.capture: HeldResponse | None = None
+        self.app_task: asyncio.Future[None] | None = None
+        self.held: flow.Claim | None = None
+        self.token = ""
+        self.allow_commit: Callable[[], None] | None = None
+
+    async def drive(self, steps: Any) -> None:
+        reply: Any = None
+        try:
+            while True:
+                try:
+                    operation = steps.send(reply)
+                except StopIteration as stop:
+                    decision = stop.value
+                    break
+                reply = await self.carry_out(operation)
+            await self.finish(decision)
+        except _ClientGone:
+            await asyncio.shield(self.abandon())
+        except BaseException:
+            await asyncio.shield(self.abandon())
+            raise
+        finally:
+            await self.close_session()
+
+    async def carry_out(self, operation: flow.Operation) -> Any:
+        match operation:
+            case flow.ReadBody(limit):
+                return await self.read_body(limit)
+            case flow.Claim():
+                return await self.claim(operation)
+            case flow.Pause(seconds):
+                await asyncio.sleep(seconds)
+                return None
+            case flow.Run(token, policy):
+                self.token = token
+                return await self.run(policy)
+            case flow.Complete(scope, key, token, response, expiry):
+                return await self.complete(scope, key, token, response, expiry)
+            case flow.Release(scope, key, token):
+                await self.release(scope, key, token)
+                return None
+        raise AssertionError(f"unknown operation {operation!r}")
+
+    async def read_body(self, limit: int) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                self.body = b"".join(chunks)
+                return self.body
+
+    async def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed | flow.StoreBusy:
+        args = (claim.scope, claim.key, claim.fingerprint)
+        if not claim.policy.transactional:
+            try:
+                result: ClaimResult = await call(self.owner.store.claim, *args, claim.policy.lease)
+            except Exception as error:
+                return claim_failed(error, claim.scope)
+        else:
+            store = self.owner.sql_store
+            assert store is not None  # the policy property refused transactional without it
+            self.session = new_session(self.owner.session_factory, self.owner.engine)
+            try:
+                wait = claim.policy.wait if self.owner.lock_waits else timedelta(0)
+                lease = claim.policy.lease
+                result = await call(store.claim_in, self.session, *args, wait, lease)
+            except Exception as error:
+                await self.close_session()
+                failed = claim_in_failed(error, store.engine.dialect.name, claim.scope)
+                if not isinstance(failed, InFlight):
+                    return failed
+                result = failed
+            if not isinstance(result, Claimed):
+                await self.close_session()
+        if isinstance(result, Claimed):
+            self.held = claim
+        return result
+
+    async def run(self, policy: RoutePolicy) -> flow.RunResult:
+        scope = {**self.scope}
+        extensions = {
+            k: v for k, v in scope.get("extensions", {}).items() if k not in _DIRECT_SENDS
+        }
+        scope["extensions"] = extensions
+        if self.session is not None:
+            scope[SESSION_KEY] = self.session
+            self.allow_commit = hold_commits(self.session)
+        self.capture = capture = HeldResponse(self.send, policy.max_stored_body)
+        self.app_task = task = asyncio.ensure_future(self.owner.app(scope, self.replay, capture))
+        renewing = None
+        if not policy.transactional:
+            assert self.held is not None
+            renewal = renew_lease(self.owner.store, self.held, self.token, policy.lease)
+            renewing = asyncio.ensure_future(renewal)
+        task.add_done_callback(capture.decide)
+        try:
+            await asyncio.shield(capture.decided)
+        finally:
+            if renewing is not None:  # the claim ends now: stored, not stored, or released
+                renewing.cancel()
+        return capture.result(task)
+
+    async def replay(self) -> Message:
+        """The app's receive: the body we read, then whatever the client does next."""
+        if self.body is not None:
+            body, self.body = self.body, None  # type: ignore[assignment]
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.receive()
+
+    async def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse, expiry: Any
+    ) -> bool | flow.ClaimLost:
+        assert self.held is not None
+        if not self.held.policy.transactional:
+            try:
+                done = bool(
+                    await call(self.owner.store.complete, scope, key, token, response, expiry)
+                )
+            except Exception:
+                # The endpoint's effects are done: answer; the claim lapses with its lease.
+                log.exception("idempotency response could not be stored for %s", scope)
+                done = False
+            self.held = None
+            return done
+        store, session, allow = self.owner.sql_store, self.session, self.allow_commit
+        assert store is not None and session is not None and allow is not None
+        try:
+            if isinstance(store, AsyncSqlStore):
+                assert isinstance(session, AsyncSession)
+
+                def commit(sync: Session) -> None:  # in the same greenlet as the UPDATE
+                    allow()
+                    sync.commit()
+
+                await store.complete_in(session, scope, key, response, expiry, token, commit)
+            else:
+                assert isinstance(session, Session)
+                await asyncio.to_thread(
+                    complete_and_commit, store, session, allow, scope, key, token, response, expiry
+                )
+        except ClaimLost:
+            log_rolled_back(scope)
+            await self.close_session()
+            self.held = None
+            return flow.ClaimLost()
+        except Exception:
+            log.exception("idempotency commit failed for %s", scope)
+            await self.close_session()
+            self.held = None
+            return False
+        self.held = None
+        return True
+
+    async def release(self, scope: str, key: str, token: str) -> None:
+        held, self.held = self.held, None
+        if held is not None and held.policy.transactional:
+            await self.close_session()  # rolls the endpoint's writes and the claim back
+        else:
+            await call(self.owner.store.release, scope, key, token)
+
+    async def finish(self, decision: flow.Decision) -> None:
+        if isinstance(decision, flow.PassThrough):
+            await self.owner.app(self.scope, self.receive, self.send)
+        elif isinstance(decision, flow.Respond):
+            await send_response(self.send, decision.response, decision.replayed)
+            if self.app_task is not None:
+                await self.app_task  # a run whose commit failed: let its after-work end
+        else:
+            assert self.capture is not None and self.app_task is not None
+            await self.capture.deliver(self.app_task)
+
+    async def abandon(self) -> None:
+        """Cancelled or failed mid-way: never leave a claim behind (the retry runs afresh)."""
+        if self.app_task is not None and not self.app_task.done():
+            self.app_task.cancel()
+        held, self.held = self.held, None
+        if held is None:
+            return
+        with contextlib.suppress(Exception):
+            if held.policy.transactional:
+                await self.close_session()
+            else:
+                await call(self.owner.store.release, held.scope, held.key, self.token)
+
+    async def close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await call(session.close)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived: nothing was claimed."""

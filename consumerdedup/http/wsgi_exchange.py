@@ -1,0 +1,255 @@
+"""One request through the WSGI middleware: carries out flow's operations, blocking.
+
+The twin of asgi_exchange.py: ``Exchange.drive`` steps flow.decide and does each
+operation's I/O: reads the body (the app gets it again from a fresh ``wsgi.input``),
+claims (in the request's Session when transactional), runs the app with its whole
+response held back (wsgi_held.py) while a thread renews the lease, completes or
+releases, then returns what flow decided to the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http
+import io
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm import Session
+
+from . import flow
+from .exchange import (
+    SESSION_KEY,
+    claim_failed,
+    claim_in_failed,
+    log,
+    log_rolled_back,
+    new_session,
+)
+from .policy import RoutePolicy
+from .sql_store import ClaimLost
+from .store import Claimed, ClaimResult, InFlight
+from .stored import REPLAYED_HEADER, StoredResponse
+from .transactional import complete_and_commit, hold_commits
+from .wsgi_held import HeldResponse, LeaseRenewer, read_exactly
+
+if TYPE_CHECKING:
+    from .wsgi import Environ, StartResponse, WSGIIdempotencyMiddleware
+
+
+def _status_line(status: int) -> str:
+    try:
+        return f"{status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} Unknown"
+
+
+class _ClientGone(Exception):
+    """The client sent less body than it announced: it went away; nothing was claimed."""
+
+
+class Exchange:
+    """One request through the middleware: carries out flow's operations, blocking."""
+
+    def __init__(
+        self, owner: WSGIIdempotencyMiddleware, environ: Environ, start_response: StartResponse
+    ) -> None:
+        self.owner = owner
+        self.environ = environ
+        self.start_response = start_response
+        self.session: Session | None = None
+        self.held: flow.Claim | None = None
+        self.token = ""
+        self.response: HeldResponse | None = None
+        self.allow_commit: Callable[[], None] | None = None
+
+    def drive(self, steps: Any) -> Iterable[bytes]:
+        reply: Any = None
+        try:
+            while True:
+                try:
+                    operation = steps.send(reply)
+                except StopIteration as stop:
+                    decision: flow.Decision = stop.value
+                    break
+                reply = self.carry_out(operation)
+            return self.finish(decision)
+        except _ClientGone:
+            self.abandon()
+            return []
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            self.close_session()
+
+    def carry_out(self, operation: flow.Operation) -> Any:
+        match operation:
+            case flow.ReadBody(limit):
+                return self.read_body(limit)
+            case flow.Claim():
+                return self.claim(operation)
+            case flow.Pause(seconds):
+                time.sleep(seconds)
+                return None
+            case flow.Run(token, policy):
+                self.token = token
+                return self.run(policy)
+            case flow.Complete(scope, key, token, response, expiry):
+                return self.complete(scope, key, token, response, expiry)
+            case flow.Release(scope, key, token):
+                self.release(scope, key, token)
+                return None
+        raise AssertionError(f"unknown operation {operation!r}")
+
+    def read_body(self, limit: int) -> bytes | None:
+        """The whole body (the app gets it again from a fresh wsgi.input); None past limit."""
+        stream = self.environ["wsgi.input"]
+        announced = self.environ.get("CONTENT_LENGTH") or ""
+        if announced.strip():
+            try:
+                length = int(announced)
+            except ValueError:
+                length = -1
+            if length < 0 or length > limit:
+                return None  # an unreadable length is refused like an oversized one (413)
+            body = read_exactly(stream, length)
+            if len(body) < length:
+                raise _ClientGone()
+        elif self.environ.get("wsgi.input_terminated"):
+            body = read_exactly(stream, limit + 1)
+            if len(body) > limit:
+                return None
+        else:
+            body = b""  # no Content-Length and no terminated input: no body (PEP 3333)
+        self.environ["wsgi.input"] = io.BytesIO(body)
+        self.environ["CONTENT_LENGTH"] = str(len(body))
+        return body
+
+    def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed | flow.StoreBusy:
+        args = (claim.scope, claim.key, claim.fingerprint)
+        if not claim.policy.transactional:
+            try:
+                result: ClaimResult = self.owner.store.claim(*args, claim.policy.lease)
+            except Exception as error:
+                return claim_failed(error, claim.scope)
+        else:
+            store = self.owner.sql_store
+            assert store is not None  # the policy property refused transactional without it
+            self.session = new_session(self.owner.session_factory, self.owner.engine)
+            try:
+                wait, lease = claim.policy.wait, claim.policy.lease
+                result = store.claim_in(self.session, *args, wait, lease)
+            except Exception as error:
+                self.close_session()
+                failed = claim_in_failed(error, store.engine.dialect.name, claim.scope)
+                if not isinstance(failed, InFlight):
+                    return failed
+                result = failed
+            if not isinstance(result, Claimed):
+                self.close_session()
+        if isinstance(result, Claimed):
+            self.held = claim
+        return result
+
+    def run(self, policy: RoutePolicy) -> flow.RunResult:
+        environ = dict(self.environ)
+        if self.session is not None:
+            environ[SESSION_KEY] = self.session
+            self.allow_commit = hold_commits(self.session)
+        self.response = captured = HeldResponse(policy.max_stored_body)
+        renewer = None
+        if not policy.transactional:
+            assert self.held is not None
+            held = self.held
+            store = self.owner.store
+            renewer = LeaseRenewer(store, held.scope, held.key, self.token, policy.lease)
+        try:
+            captured.collect(self.owner.app(environ, captured.start_response))
+        except Exception as error:
+            captured.error = error  # re-raised to the server once the claim is released
+            captured.close()
+            return flow.Crashed(error)
+        finally:
+            if renewer is not None:
+                renewer.stop()  # the claim ends now: stored, not stored, or released
+        if captured.status is None:
+            captured.error = RuntimeError("the WSGI app returned without calling start_response")
+            captured.close()
+            return flow.Crashed(captured.error)
+        if captured.overflowed:
+            return flow.Overflowed(captured.status)
+        return flow.Finished(
+            StoredResponse.capture(captured.status, captured.headers, captured.body)
+        )
+
+    def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse, expiry: Any
+    ) -> bool | flow.ClaimLost:
+        assert self.held is not None
+        held, self.held = self.held, None
+        if not held.policy.transactional:
+            try:
+                return bool(self.owner.store.complete(scope, key, token, response, expiry))
+            except Exception:
+                # The endpoint's effects are done: answer; the claim lapses with its lease.
+                log.exception("idempotency response could not be stored for %s", scope)
+                return False
+        store, session, allow = self.owner.sql_store, self.session, self.allow_commit
+        assert store is not None and session is not None and allow is not None
+        try:
+            complete_and_commit(store, session, allow, scope, key, token, response, expiry)
+        except ClaimLost:
+            log_rolled_back(scope)
+            self.close_session()
+            return flow.ClaimLost()
+        except Exception:
+            log.exception("idempotency commit failed for %s", scope)
+            self.close_session()
+            return False
+        return True
+
+    def release(self, scope: str, key: str, token: str) -> None:
+        held, self.held = self.held, None
+        if held is not None and held.policy.transactional:
+            self.close_session()  # rolls the endpoint's writes and the claim back
+        else:
+            self.owner.store.release(scope, key, token)
+
+    def finish(self, decision: flow.Decision) -> Iterable[bytes]:
+        if isinstance(decision, flow.PassThrough):
+            return self.owner.app(self.environ, self.start_response)
+        if isinstance(decision, flow.Respond):
+            response = decision.response
+            headers = [*response.headers, *([REPLAYED_HEADER] if decision.replayed else [])]
+            self.start_response(_status_line(response.status), list(headers))
+            if self.response is not None:  # a run whose commit failed: the app's close() too
+                self.response.close()
+            return [response.body]
+        captured = self.response
+        assert captured is not None
+        if captured.error is not None:
+            raise captured.error
+        assert captured.status_line is not None
+        self.start_response(captured.status_line, captured.headers, captured.exc_info)
+        return captured.rest()
+
+    def abandon(self) -> None:
+        """Failed mid-way: never leave a claim behind (the retry runs afresh)."""
+        if self.response is not None:
+            self.response.close()
+        held, self.held = self.held, None
+        if held is None:
+            return
+        with contextlib.suppress(Exception):
+            if held.policy.transactional:
+                self.close_session()
+            else:
+                self.owner.store.release(held.scope, held.key, self.token)
+
+    def close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
