@@ -167,7 +167,12 @@ def notify_trigger(conn: Connection, tables: Tables) -> list[Check]:
         return [Check("notify trigger", FAIL, detail, fix)]
     expected = catalog.Trigger(function[0], _AFTER_INSERT_FOR_EACH_STATEMENT, "O", 0, False)
     if found not in (expected, replace(expected, enabled="A")):
-        state = "disabled" if found.enabled == "D" else "not AFTER INSERT FOR EACH STATEMENT"
+        if found.function != function[0]:  # ours by name, calling another function
+            state = f"calling another function, not {function_name}()"
+        elif found.enabled == "D":
+            state = "disabled"
+        else:
+            state = "not AFTER INSERT FOR EACH STATEMENT"
         return [Check("notify trigger", FAIL, f"{trigger_name} is {state}", fix)]
     return [Check("notify trigger", OK, f"{trigger_name} notifies {channel}")]
 

@@ -238,3 +238,27 @@ async def test_a_kafka_replay_to_a_missing_topic_forgets_nothing(
     assert report.replayed == [] and report.forgotten == 0
     assert "no topic" in report.kept[0][1]
     assert shop.outcomes() == dict.fromkeys(IDS, "failed")
+
+
+def test_doctor_names_a_trigger_calling_another_function(
+    pg: Database, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: 'outbox_notify is not AFTER INSERT FOR EACH STATEMENT', which it was."""
+    trigger, function = pg.tables.notify_names
+    outbox = pg.name(pg.tables.outbox.name)
+    with pg.engine.begin() as conn:
+        conn.execute(
+            text(
+                f"CREATE FUNCTION {pg.schema}.other() RETURNS trigger LANGUAGE plpgsql "
+                "AS $$ BEGIN RETURN NULL; END $$"
+            )
+        )
+        conn.execute(text(f'DROP TRIGGER "{trigger}" ON {outbox}'))
+        conn.execute(
+            text(
+                f'CREATE TRIGGER "{trigger}" AFTER INSERT ON {outbox} '
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {pg.schema}.other()"
+            )
+        )
+    code, out = _doctor(pg, capsys)
+    assert code == 1 and f"calling another function, not {function}()" in out, out
