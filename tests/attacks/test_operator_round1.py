@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from sqlalchemy import Connection, create_engine, insert, text
@@ -262,3 +263,22 @@ def test_doctor_names_a_trigger_calling_another_function(
         )
     code, out = _doctor(pg, capsys)
     assert code == 1 and f"calling another function, not {function}()" in out, out
+
+
+def test_two_replays_at_once_apply_each_order_once(bad_deploy: Shop) -> None:
+    shop = bad_deploy
+    dlq = shop.queue + ".dlq"
+    reports: list[Any] = []
+
+    def replay() -> None:
+        reports.append(rabbitmq.replay(shop.db.engine, shop.rabbit.url, dlq, tables=shop.db.tables))
+
+    racers = [threading.Thread(target=replay) for _ in range(2)]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(timeout=60)
+    assert sum(len(r.replayed) for r in reports) == 5 and not any(r.kept for r in reports)
+    shop.field = "item"  # the fix
+    shop.consume()
+    assert shop.applied() == IDS and shop.rabbit.ready(dlq) == 0
