@@ -57,16 +57,11 @@ class Exchange:
         self.allow_commit: Callable[[], None] | None = None
 
     async def drive(self, steps: Any) -> None:
-        reply: Any = None
         try:
-            while True:
-                try:
-                    operation = steps.send(reply)
-                except StopIteration as stop:
-                    decision = stop.value
-                    break
-                reply = await self.carry_out(operation)
-            await self.finish(decision)
+            step = flow.advance(steps, None)
+            while not isinstance(step, flow.Decision):
+                step = flow.advance(steps, await self.carry_out(step))
+            await self.finish(step)
         except _ClientGone:
             await asyncio.shield(self.abandon())
         except BaseException:

@@ -16,7 +16,8 @@ Operations and what the driver sends back:
     Complete(...)        -> bool: stored (transactional: stored and committed), or
                             ClaimLost (transactional: the endpoint rolled back; nothing kept)
     Release(...)         -> None (transactional: rolled back)
-Returned decisions: PassThrough, Respond(response), SendCaptured.
+Returned decisions: PassThrough, Respond(response), SendCaptured. These values are
+defined in operations.py and importable from here.
 """
 
 from __future__ import annotations
@@ -24,15 +25,35 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Generator
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from ..errors import ConfigurationError
 from . import problems
 from .fingerprint import RequestFacts
 from .keys import HEADER, InvalidIdempotencyKey, key_label, parse_key
-from .policy import IdempotencyPolicy, RoutePolicy
+from .operations import (
+    Claim,
+    ClaimLost,
+    Complete,
+    Crashed,
+    Decision,
+    Finished,
+    Incoming,
+    Operation,
+    Overflowed,
+    PassThrough,
+    Pause,
+    ReadBody,
+    Release,
+    Respond,
+    Run,
+    RunResult,
+    SendCaptured,
+    StoreBusy,
+    StoreFailed,
+    advance,
+)
+from .policy import IdempotencyPolicy
 from .store import Claimed, ClaimResult, Completed, Mismatch
 from .stored import StoredResponse
 
@@ -43,129 +64,6 @@ RETRYABLE_STATUSES = frozenset({408, 425, 429})
 SCOPE_LENGTH = 255
 _FIRST_POLL = 0.02
 _LONGEST_POLL = 0.5
-
-
-@dataclass(frozen=True)
-class Incoming:
-    """A request as the driver sees it before reading the body."""
-
-    method: str
-    path: str
-    query: bytes
-    headers: tuple[tuple[str, str], ...]
-    principal: str | int | None = None
-
-
-# Operations (yielded)
-@dataclass(frozen=True)
-class ReadBody:
-    limit: int
-
-
-@dataclass(frozen=True)
-class Claim:
-    scope: str
-    key: str
-    fingerprint: str
-    policy: RoutePolicy
-
-
-@dataclass(frozen=True)
-class Pause:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Run:
-    token: str
-    policy: RoutePolicy
-
-
-@dataclass(frozen=True)
-class Complete:
-    scope: str
-    key: str
-    token: str
-    response: StoredResponse
-    expiry: timedelta
-
-
-@dataclass(frozen=True)
-class Release:
-    scope: str
-    key: str
-    token: str
-
-
-Operation = ReadBody | Claim | Pause | Run | Complete | Release
-
-
-# What Run reports
-@dataclass(frozen=True)
-class Finished:
-    """The endpoint answered completely, within max_stored_body."""
-
-    response: StoredResponse
-
-
-@dataclass(frozen=True)
-class Overflowed:
-    """The endpoint's response grew past max_stored_body: the driver holds what it has."""
-
-    status: int
-
-
-@dataclass(frozen=True)
-class Crashed:
-    """The endpoint raised, the client went away, or the response never completed."""
-
-    error: BaseException | None
-
-
-RunResult = Finished | Overflowed | Crashed
-
-
-@dataclass(frozen=True)
-class StoreFailed:
-    """What a driver sends for a Claim whose store raised (down, unreachable): refuse, run
-    nothing; the driver logged the error."""
-
-
-@dataclass(frozen=True)
-class ClaimLost:
-    """What a driver sends for a transactional Complete whose transaction no longer held the
-    claim (the endpoint rolled the session back): nothing was stored or committed."""
-
-
-@dataclass(frozen=True)
-class StoreBusy:
-    """What a driver sends for a transactional Claim on SQLite whose BEGIN IMMEDIATE waited
-    past the route's wait: SQLite serialises writers, so the write lock may be held by a
-    request with another key. Nothing ran."""
-
-
-# Decisions (returned)
-@dataclass(frozen=True)
-class PassThrough:
-    """Not ours: call the app as if the middleware were not there."""
-
-
-@dataclass(frozen=True)
-class Respond:
-    """Send this response; the endpoint did not run. ``replayed``: add Idempotent-Replayed."""
-
-    response: StoredResponse
-    replayed: bool = False
-
-
-@dataclass(frozen=True)
-class SendCaptured:
-    """Send what the endpoint produced (or re-raise its error); ``stored`` says if it was kept."""
-
-    stored: bool
-
-
-Decision = PassThrough | Respond | SendCaptured
 
 
 def scope_of(method: str, path: str, principal: str | int | None) -> str:
@@ -315,3 +213,32 @@ def _claim(
         yield Pause(max(step, 0.001))
         waited += step
         poll = min(poll * 2, _LONGEST_POLL)
+
+
+__all__ = [
+    "RETRYABLE_STATUSES",
+    "SCOPE_LENGTH",
+    "Claim",
+    "ClaimLost",
+    "Complete",
+    "Crashed",
+    "Decision",
+    "Finished",
+    "Incoming",
+    "Operation",
+    "Overflowed",
+    "PassThrough",
+    "Pause",
+    "ReadBody",
+    "Release",
+    "Respond",
+    "Run",
+    "RunResult",
+    "SendCaptured",
+    "StoreBusy",
+    "StoreFailed",
+    "advance",
+    "decide",
+    "scope_of",
+    "should_store",
+]

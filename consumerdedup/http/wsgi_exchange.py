@@ -65,16 +65,11 @@ class Exchange:
         self.allow_commit: Callable[[], None] | None = None
 
     def drive(self, steps: Any) -> Iterable[bytes]:
-        reply: Any = None
         try:
-            while True:
-                try:
-                    operation = steps.send(reply)
-                except StopIteration as stop:
-                    decision: flow.Decision = stop.value
-                    break
-                reply = self.carry_out(operation)
-            return self.finish(decision)
+            step = flow.advance(steps, None)
+            while not isinstance(step, flow.Decision):
+                step = flow.advance(steps, self.carry_out(step))
+            return self.finish(step)
         except _ClientGone:
             self.abandon()
             return []
