@@ -3,7 +3,8 @@
 ``claim_steps`` yields (statement, params) pairs and is sent each one's rows;
 it returns the ClaimResult. It is the same for a claim committed on its own
 (with a lease) and for one inside the request's transaction (no lease: the
-row lock is the lease, see TransactionalStore).
+row lock is the lease, see TransactionalStore). PostgreSQL's one-round-trip claim
+statements are in sql_postgres.py.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from collections.abc import Generator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, literal_column, or_, select, text, update
+from sqlalchemy import and_, bindparam, delete, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import Executable
 
 from ..db.dialects import require_supported
-from ..db.locks import SPACE_SQL
 from ..schema import Tables
+from .sql_postgres import trying_claim, waiting_claim
 from .store import Claimed, ClaimResult, Completed, InFlight, Mismatch
 from .stored import CorruptStoredResponse, StoredResponse
 
@@ -104,9 +105,9 @@ class KeyStatements:
         self.trying: Executable | None = None
         self.claim_one: Executable | None = None
         if dialect == "postgresql":
-            self.waiting = _waiting_claim(t, self.insert, self.reclaim)
-            self.trying = _trying_claim(t)
-            self.claim_one = _trying_claim(t, lock=False)
+            self.waiting = waiting_claim(t, self.insert, self.reclaim)
+            self.trying = trying_claim(t)
+            self.claim_one = trying_claim(t, lock=False)
 
     def claim_steps(
         self,
@@ -124,7 +125,7 @@ class KeyStatements:
 
         ``wait`` (PostgreSQL, inside the request's transaction): the claim waits at most this
         long on a twin's row lock; lock_timeout is set for the claim and restored by whichever
-        statement claims, in the same round trips (see _waiting_claim)."""
+        statement claims, in the same round trips (see sql_postgres.waiting_claim)."""
         token = new_token()
         locked_until = now + lease if lease is not None else None
         params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_fingerprint": fingerprint}
@@ -211,80 +212,6 @@ def judge(row: Any, fingerprint: str, now: datetime) -> ClaimResult:
     except (TypeError, ValueError) as error:
         raise CorruptStoredResponse(f"stored headers unreadable: {error}") from None
     return Completed(StoredResponse(int(row.status), headers, bytes(row.body or b"")))
-
-
-_SAVED = "consumerdedup.lock_timeout"
-_RESTORE = f"set_config('lock_timeout', current_setting('{_SAVED}'), true)"
-
-
-def _waiting_claim(
-    table: Any, insert: Any, reclaim: Any
-) -> tuple[Executable, Executable, Executable]:
-    """PostgreSQL's claim inside the request's transaction, with its own lock_timeout and no
-    extra round trip: the first INSERT saves the session's lock_timeout (in a
-    transaction-local setting of ours), sets the route's wait, and restores it in RETURNING
-    when it claims; a later INSERT or the reclaim UPDATE restores it when they claim. When
-    nothing claims, the endpoint does not run and the transaction is rolled back."""
-    columns = ("scope", "key", "fingerprint", "state", "token", "locked_until", "created_at")
-    quote = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
-    name = quote.format_table(table)
-    listed = ", ".join(quote.quote(c) for c in columns)
-    values = ", ".join(f":{c}" for c in columns)
-    first = text(
-        f"WITH saved AS MATERIALIZED (SELECT set_config('{_SAVED}', "
-        "current_setting('lock_timeout'), true) AS kept, "
-        "set_config('lock_timeout', :b_wait, true) AS waiting) "
-        f"INSERT INTO {name} ({listed}) SELECT {values} FROM saved "
-        f"ON CONFLICT ({quote.quote('scope')}, {quote.quote('key')}) DO NOTHING "
-        f"RETURNING {quote.quote('key')}, {_RESTORE}"
-    )
-    restore: Any = literal_column(_RESTORE)
-    return first, insert.returning(restore), reclaim.returning(restore)
-
-
-CLAIM_LOCK = "http.claim"
-"""The advisory-lock class of a transactional claim (db.locks: namespaced by the table)."""
-
-
-def _trying_claim(table: Any, *, lock: bool = True) -> Executable:
-    """PostgreSQL's claim inside the request's transaction when a twin must not be waited
-    for, in one round trip: ``pg_try_advisory_xact_lock`` on the key (held to the end of the
-    transaction, like the claim's row lock), the INSERT under it, and the record a finished
-    request left, read in the same statement. Not lock_timeout: a 1 ms lock_timeout also
-    fires on locks that are not a twin's (the table's extension lock under load), which
-    answered 409 in-flight to fresh keys. A record committed after the statement's snapshot
-    is not read here (``state`` NULL, nothing claimed): the caller reads it next.
-
-    ``lock=False``: the claim committed on its own (non-transactional, PostgreSQL in
-    autocommit): the unique key arbitrates, and the one statement is the whole claim when the
-    key is new or its record finished (a replay), one round trip instead of BEGIN, INSERT,
-    UPDATE, SELECT, COMMIT."""
-    columns = ("scope", "key", "fingerprint", "state", "token", "locked_until", "created_at")
-    quote = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
-    name = quote.format_table(table)
-    listed = ", ".join(quote.quote(c) for c in columns)
-    values = ", ".join(f":{c}" for c in columns)
-    scope, key = quote.quote("scope"), quote.quote("key")
-    read = ("fingerprint", "state", "locked_until", "status", "headers", "body", "expires_at")
-    space = SPACE_SQL.replace(":lock_purpose", f"'{CLAIM_LOCK}'").replace(
-        ":lock_table", "'" + name.replace("'", "''") + "'"
-    )
-    got = (
-        f"pg_try_advisory_xact_lock({space}, "
-        "hashtext(CAST(:scope AS text) || chr(10) || CAST(:key AS text)))"
-        if lock
-        else "true"
-    )
-    statement = text(
-        f"WITH lk AS MATERIALIZED (SELECT {got} AS got), "
-        f"ins AS (INSERT INTO {name} ({listed}) SELECT {values} FROM lk WHERE lk.got "
-        f"ON CONFLICT ({scope}, {key}) DO NOTHING RETURNING {key}) "
-        "SELECT lk.got, EXISTS (SELECT 1 FROM ins) AS claimed, "
-        + ", ".join(f"r.{quote.quote(c)}" for c in read)
-        + f" FROM lk LEFT JOIN {name} AS r ON r.{scope} = :scope AND r.{key} = :key"
-    )
-    typed = [table.c[c] for c in read]
-    return statement.columns(literal_column("got"), literal_column("claimed"), *typed)
 
 
 def lock_wait(wait: timedelta) -> str:
