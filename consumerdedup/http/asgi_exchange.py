@@ -17,19 +17,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from . import flow
+from . import exchange, flow
 from .asgi_held import HeldResponse, call, renew_lease, send_response
-from .exchange import (
-    SESSION_KEY,
-    claim_failed,
-    claim_in_failed,
-    log,
-    log_rolled_back,
-    new_session,
-)
 from .policy import RoutePolicy
 from .sql_store import AsyncSqlStore, ClaimLost
-from .store import Claimed, ClaimResult, InFlight
+from .store import Claimed, ClaimResult
 from .stored import StoredResponse
 from .transactional import complete_and_commit, hold_commits
 
@@ -109,23 +101,22 @@ class Exchange:
         args = (claim.scope, claim.key, claim.fingerprint)
         if not claim.policy.transactional:
             try:
-                result: ClaimResult = await call(self.owner.store.claim, *args, claim.policy.lease)
+                result: ClaimResult | flow.StoreFailed | flow.StoreBusy = await call(
+                    self.owner.store.claim, *args, claim.policy.lease
+                )
             except Exception as error:
-                return claim_failed(error, claim.scope)
+                result = exchange.claim_failed(error, claim.scope)
         else:
             store = self.owner.sql_store
             assert store is not None  # the policy property refused transactional without it
-            self.session = new_session(self.owner.session_factory, self.owner.engine)
+            self.session = exchange.new_session(self.owner.session_factory, self.owner.engine)
             try:
                 wait = claim.policy.wait if self.owner.lock_waits else timedelta(0)
                 lease = claim.policy.lease
                 result = await call(store.claim_in, self.session, *args, wait, lease)
             except Exception as error:
                 await self.close_session()
-                failed = claim_in_failed(error, store.engine.dialect.name, claim.scope)
-                if not isinstance(failed, InFlight):
-                    return failed
-                result = failed
+                result = exchange.claim_in_failed(error, store.engine.dialect.name, claim.scope)
             if not isinstance(result, Claimed):
                 await self.close_session()
         if isinstance(result, Claimed):
@@ -139,7 +130,7 @@ class Exchange:
         }
         scope["extensions"] = extensions
         if self.session is not None:
-            scope[SESSION_KEY] = self.session
+            scope[exchange.SESSION_KEY] = self.session
             self.allow_commit = hold_commits(self.session)
         self.capture = capture = HeldResponse(self.send, policy.max_stored_body)
         self.app_task = task = asyncio.ensure_future(self.owner.app(scope, self.replay, capture))
@@ -174,7 +165,7 @@ class Exchange:
                 )
             except Exception:
                 # The endpoint's effects are done: answer; the claim lapses with its lease.
-                log.exception("idempotency response could not be stored for %s", scope)
+                exchange.log.exception("idempotency response could not be stored for %s", scope)
                 done = False
             self.held = None
             return done
@@ -195,12 +186,12 @@ class Exchange:
                     complete_and_commit, store, session, allow, scope, key, token, response, expiry
                 )
         except ClaimLost:
-            log_rolled_back(scope)
+            exchange.log_rolled_back(scope)
             await self.close_session()
             self.held = None
             return flow.ClaimLost()
         except Exception:
-            log.exception("idempotency commit failed for %s", scope)
+            exchange.log.exception("idempotency commit failed for %s", scope)
             await self.close_session()
             self.held = None
             return False

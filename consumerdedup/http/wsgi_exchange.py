@@ -18,18 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
-from . import flow
-from .exchange import (
-    SESSION_KEY,
-    claim_failed,
-    claim_in_failed,
-    log,
-    log_rolled_back,
-    new_session,
-)
+from . import exchange, flow
 from .policy import RoutePolicy
 from .sql_store import ClaimLost
-from .store import Claimed, ClaimResult, InFlight
+from .store import Claimed, ClaimResult
 from .stored import REPLAYED_HEADER, StoredResponse
 from .transactional import complete_and_commit, hold_commits
 from .wsgi_held import HeldResponse, LeaseRenewer, read_exactly
@@ -126,22 +118,21 @@ class Exchange:
         args = (claim.scope, claim.key, claim.fingerprint)
         if not claim.policy.transactional:
             try:
-                result: ClaimResult = self.owner.store.claim(*args, claim.policy.lease)
+                result: ClaimResult | flow.StoreFailed | flow.StoreBusy = self.owner.store.claim(
+                    *args, claim.policy.lease
+                )
             except Exception as error:
-                return claim_failed(error, claim.scope)
+                result = exchange.claim_failed(error, claim.scope)
         else:
             store = self.owner.sql_store
             assert store is not None  # the policy property refused transactional without it
-            self.session = new_session(self.owner.session_factory, self.owner.engine)
+            self.session = exchange.new_session(self.owner.session_factory, self.owner.engine)
             try:
                 wait, lease = claim.policy.wait, claim.policy.lease
                 result = store.claim_in(self.session, *args, wait, lease)
             except Exception as error:
                 self.close_session()
-                failed = claim_in_failed(error, store.engine.dialect.name, claim.scope)
-                if not isinstance(failed, InFlight):
-                    return failed
-                result = failed
+                result = exchange.claim_in_failed(error, store.engine.dialect.name, claim.scope)
             if not isinstance(result, Claimed):
                 self.close_session()
         if isinstance(result, Claimed):
@@ -151,7 +142,7 @@ class Exchange:
     def run(self, policy: RoutePolicy) -> flow.RunResult:
         environ = dict(self.environ)
         if self.session is not None:
-            environ[SESSION_KEY] = self.session
+            environ[exchange.SESSION_KEY] = self.session
             self.allow_commit = hold_commits(self.session)
         self.response = captured = HeldResponse(policy.max_stored_body)
         renewer = None
@@ -189,18 +180,18 @@ class Exchange:
                 return bool(self.owner.store.complete(scope, key, token, response, expiry))
             except Exception:
                 # The endpoint's effects are done: answer; the claim lapses with its lease.
-                log.exception("idempotency response could not be stored for %s", scope)
+                exchange.log.exception("idempotency response could not be stored for %s", scope)
                 return False
         store, session, allow = self.owner.sql_store, self.session, self.allow_commit
         assert store is not None and session is not None and allow is not None
         try:
             complete_and_commit(store, session, allow, scope, key, token, response, expiry)
         except ClaimLost:
-            log_rolled_back(scope)
+            exchange.log_rolled_back(scope)
             self.close_session()
             return flow.ClaimLost()
         except Exception:
-            log.exception("idempotency commit failed for %s", scope)
+            exchange.log.exception("idempotency commit failed for %s", scope)
             self.close_session()
             return False
         return True
