@@ -1,4 +1,6 @@
-"""What every command shares: its errors, the database URL, the engine and the tables.
+"""What every command shares: its errors, the common options, the database URL, the engine
+and the tables, and the duration options (``--retention``, ``--window NAME=DURATION``) that
+``prune`` and ``doctor`` both read.
 
 The URLs a command is given travel as ``args.secrets`` (a redact.Secrets), so
 that whatever prints them shows them masked.
@@ -8,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Engine, Table, create_engine, inspect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from .. import durations
 from ..db.dialects import SUPPORTED
 from ..errors import ConfigurationError
 from ..reasons import describe
@@ -63,6 +68,69 @@ class Renamed(argparse.Action):
         if option_string == old != new:
             sys.stderr.write(f"{PROG}: warning: {old} is deprecated, use {new}\n")
         setattr(namespace, self.dest, values)
+
+
+def add_common(parser: argparse.ArgumentParser, *, nested: bool) -> None:
+    """The shared options; a subcommand's defaults must not mask values given before it."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if nested else value
+
+    group = parser.add_argument_group("common options")
+    env_url = os.environ.get(ENV_URL)
+    group.add_argument("--db", metavar="URL", default=default(env_url), help=f"or ${ENV_URL}")
+    pe_default = default("processed_events")
+    group.add_argument("--processed-events-table", metavar="NAME", default=pe_default)
+    group.add_argument("--outbox-table", metavar="NAME", default=default("outbox"))
+    verbose = "log at DEBUG; show tracebacks on errors"
+    group.add_argument("--verbose", action="store_true", default=default(False), help=verbose)
+
+
+Action = tuple[
+    str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
+]
+"""A command's action (``failed list``): name, help, its options, and its run."""
+
+
+def add_actions(parser: argparse.ArgumentParser, actions: Sequence[Action]) -> None:
+    """The actions as subcommands of ``parser``'s command, each with the common options too."""
+    subparsers = parser.add_subparsers(
+        dest="action", metavar="ACTION", required=True, parser_class=type(parser)
+    )
+    for name, helptext, add, run in actions:
+        sub = subparsers.add_parser(name, help=helptext, description=helptext)
+        add_common(sub, nested=True)
+        add(sub)
+        sub.set_defaults(run=run)
+
+
+def parse_duration(text: str | None, option: str) -> timedelta | None:
+    """``text`` given to ``option`` as a duration (None if not given); a UsageError if bad."""
+    if text is None:
+        return None
+    if option == "--retention" and text.strip().lower() in durations.FOREVER:
+        raise UsageError(
+            f"--retention {text!r}: a pruner needs a finite window; to keep one consumer's "
+            "records forever, give it --window NAME=forever (or choose the others with --consumer)"
+        )
+    try:
+        return durations.parse(text, option)
+    except ConfigurationError as error:
+        raise UsageError(str(error)) from None
+
+
+def parse_windows(entries: list[str] | None) -> dict[str, timedelta | None]:
+    """The ``--window NAME=DURATION`` entries by consumer; None for ``forever``."""
+    windows: dict[str, timedelta | None] = {}
+    for entry in entries or []:
+        name, _, text = entry.partition("=")
+        if not name.strip() or not text:
+            raise UsageError(f"--window {entry!r}: expected NAME=DURATION, e.g. ledger=30d")
+        forever = text.strip().lower() in durations.FOREVER
+        windows[name.strip()] = (
+            None if forever else parse_duration(text, f"--window {name.strip()}")
+        )
+    return windows
 
 
 def parse_url(raw: str | None, secrets: Secrets) -> URL:
@@ -118,6 +186,18 @@ def open_database(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
         raise UsageError(f"no driver for {url.drivername!r}: {describe(error)}") from error
     except ArgumentError as error:  # SQLAlchemy's dialect refuses the URL's form
         raise UsageError(f"invalid database URL: {describe(error)}") from None
+
+
+def open_reading(
+    args: argparse.Namespace, table: Callable[[Tables], Table]
+) -> tuple[URL, Engine, Tables]:
+    """open_database, then a CommandError unless ``table(tables)``, the one the command
+    reads, exists."""
+    url, engine, tables = open_database(args)
+    read = table(tables)
+    if read in missing_tables(engine, tables):
+        raise CommandError(f"table {read.fullname} not found; run `{PROG} init-db` first")
+    return url, engine, tables
 
 
 def missing_tables(engine: Engine, tables: Tables) -> list[Table]:

@@ -14,8 +14,7 @@ from datetime import timedelta
 
 from ..doctor import FAIL, Check, Settings, diagnose
 from ..prune.windows import BrokerRetention
-from .common import CommandError, UsageError, open_database
-from .prune import _duration, _windows
+from .common import CommandError, UsageError, open_database, parse_duration, parse_windows
 from .redact import shown
 from .retention import read_retention
 
@@ -58,12 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kafka and args.rabbitmq:
         raise UsageError("--kafka and --rabbitmq: give one broker")
-    windows = _windows(args.window)
-    max_age = _duration(args.outbox_max_age, "--outbox-max-age") or timedelta(minutes=5)
+    windows = parse_windows(args.window)
+    max_age = parse_duration(args.outbox_max_age, "--outbox-max-age") or timedelta(minutes=5)
     settings = Settings(
-        retention=_duration(args.retention, "--retention"),
+        retention=parse_duration(args.retention, "--retention"),
         windows=windows,
-        buffer=_duration(args.buffer, "--buffer"),
+        buffer=parse_duration(args.buffer, "--buffer"),
         consumers=tuple(args.consumer or windows),
         max_attempts=args.max_attempts,
         outbox_max_age=max_age,

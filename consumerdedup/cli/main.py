@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import traceback
 import warnings
@@ -25,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 from ..errors import AuthenticationFailed
 from ..reasons import authentication_refused, describe
 from . import demo, doctor, failed, init_db, outbox, prune, relay, stats
-from .common import ENV_URL, PROG, CommandError
+from .common import PROG, CommandError, add_common
 from .redact import Secrets
 
 log = logging.getLogger("consumerdedup.cli")
@@ -70,22 +69,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
-
-
-def add_common(parser: argparse.ArgumentParser, *, nested: bool) -> None:
-    """The shared options; a subcommand's defaults must not mask values given before it."""
-
-    def default(value: object) -> object:
-        return argparse.SUPPRESS if nested else value
-
-    group = parser.add_argument_group("common options")
-    env_url = os.environ.get(ENV_URL)
-    group.add_argument("--db", metavar="URL", default=default(env_url), help=f"or ${ENV_URL}")
-    pe_default = default("processed_events")
-    group.add_argument("--processed-events-table", metavar="NAME", default=pe_default)
-    group.add_argument("--outbox-table", metavar="NAME", default=default("outbox"))
-    verbose = "log at DEBUG; show tracebacks on errors"
-    group.add_argument("--verbose", action="store_true", default=default(False), help=verbose)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,75 +20,59 @@ from ..db import catalog
 from ..errors import ConfigurationError
 from ..outbox import parked
 from ..outbox.parked import OutboxEvent
-from .common import PROG, CommandError, UsageError, missing_tables, open_database, printable
+from .common import PROG, CommandError, UsageError, add_actions, open_reading, printable
+from .confirm import add_change_options, confirm, named, print_left_alone
+from .pages import add_json, add_page_options, clip, every_page, print_page
 
 NAME = "outbox"
 HELP = "parked outbox events: list, show, replay (publish again), abandon"
-_SHOWN = 20  # ids named in a change's summary line
+_LEFT_ALONE = "not parked (pending, published, abandoned or unknown)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .main import add_common  # the shared options, on each action too (no cycle at import)
-
-    actions = parser.add_subparsers(
-        dest="action", metavar="ACTION", required=True, parser_class=type(parser)
-    )
-    for name, helptext, add, run in (
-        ("list", "parked events in pages (--after CURSOR)", _add_list, _list),
-        ("show", "one outbox event, whatever its state", _add_show, _show),
-        ("replay", "un-park events: the relay publishes them again", _add_replay, _replay),
+    add_actions(
+        parser,
         (
-            "abandon",
-            "give up on parked events: never published, key released",
-            _add_abandon,
-            _abandon,
+            ("list", "parked events in pages (--after CURSOR)", _add_list, _list),
+            ("show", "one outbox event, whatever its state", _add_show, _show),
+            ("replay", "un-park events: the relay publishes them again", _add_replay, _replay),
+            (
+                "abandon",
+                "give up on parked events: never published, key released",
+                _add_abandon,
+                _abandon,
+            ),
         ),
-    ):
-        sub = actions.add_parser(name, help=helptext, description=helptext)
-        add_common(sub, nested=True)
-        add(sub)
-        sub.set_defaults(run=run)
+    )
 
 
 def run(args: argparse.Namespace) -> int:  # replaced by the action's own run
     raise UsageError("outbox needs an action: list, show, replay or abandon")
 
 
-def _change(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
-    parser.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-
-
 def _add_list(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--abandoned", action="store_true", help="the abandoned events instead (kept as records)"
     )
-    parser.add_argument(
-        "--limit",
-        type=int,
-        default=parked.DEFAULT_LIMIT,
-        help=f"events per page, 1..{parked.MAX_LIMIT} (default %(default)s)",
-    )
-    parser.add_argument("--after", metavar="CURSOR", help="the page after this cursor")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_page_options(parser, what="events", default=parked.DEFAULT_LIMIT, most=parked.MAX_LIMIT)
 
 
 def _add_show(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("event_id", metavar="EVENT_ID")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json(parser)
 
 
 def _add_replay(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("event_ids", metavar="EVENT_ID", nargs="*", help="these parked events")
     parser.add_argument("--all", action="store_true", help="every parked event")
-    _change(parser)
+    add_change_options(parser)
 
 
 def _add_abandon(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("event_ids", metavar="EVENT_ID", nargs="+", help="these parked events")
     parser.add_argument("--reason", required=True, help="why (kept on the row)")
     parser.add_argument("--by", help="who (kept on the row; default: the OS user)")
-    _change(parser)
+    add_change_options(parser)
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -100,17 +83,15 @@ def _list(args: argparse.Namespace) -> int:
         )
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
-    if args.json:
-        found = [event.as_dict() for event in page.events]
-        print(json.dumps({"events": found, "next_cursor": page.next_cursor}, indent=2))
-        return 0
     state = "abandoned" if args.abandoned else "parked"
-    if not page.events:
-        print(f"no {state} outbox events" + (" after this cursor" if args.after else ""))
-        return 0
-    _table(page.events, abandoned=args.abandoned)
-    print(f"next page: --after {page.next_cursor}" if page.next_cursor else "(last page)")
-    return 0
+    return print_page(
+        args,
+        "events",
+        page.events,
+        page.next_cursor,
+        none=f"no {state} outbox events",
+        rows=lambda: _rows(page.events, abandoned=args.abandoned),
+    )
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -137,13 +118,13 @@ def _replay(args: argparse.Namespace) -> int:
     found = parked.replay(engine, ids, dry_run=True, tables=tables)
     if args.dry_run or not found:
         verb = "would replay" if args.dry_run else "replayed"
-        print(f"{verb} {len(found)} parked event(s){_named(found)}")
-        _unmatched(ids, found)
+        print(f"{verb} {len(found)} parked event(s){named(found)}")
+        print_left_alone(ids, found, _LEFT_ALONE)
         return 0
-    _confirm(args, f"replay {len(found)} parked event(s): the relay publishes them again?")
+    confirm(args, f"replay {len(found)} parked event(s): the relay publishes them again?")
     done = parked.replay(engine, found, tables=tables)
-    print(f"replayed {len(done)} parked event(s){_named(done)}")
-    _unmatched(ids, done)
+    print(f"replayed {len(done)} parked event(s){named(done)}")
+    print_left_alone(ids, done, _LEFT_ALONE)
     return 0
 
 
@@ -155,24 +136,22 @@ def _abandon(args: argparse.Namespace) -> int:
     found = parked.abandon(engine, ids, by=by, reason=args.reason, dry_run=True, tables=tables)
     if args.dry_run or not found:
         verb = "would abandon" if args.dry_run else "abandoned"
-        print(f"{verb} {len(found)} parked event(s) as {by!r}{_named(found)}")
-        _unmatched(ids, found)
+        print(f"{verb} {len(found)} parked event(s) as {by!r}{named(found)}")
+        print_left_alone(ids, found, _LEFT_ALONE)
         return 0
-    _confirm(
+    confirm(
         args,
         f"abandon {len(found)} parked event(s) for good (never published; the later events "
         "of their keys go out)?",
     )
     done = parked.abandon(engine, found, by=by, reason=args.reason, tables=tables)
-    print(f"abandoned {len(done)} parked event(s) as {by!r}{_named(done)}")
-    _unmatched(ids, done)
+    print(f"abandoned {len(done)} parked event(s) as {by!r}{named(done)}")
+    print_left_alone(ids, done, _LEFT_ALONE)
     return 0
 
 
 def _open(args: argparse.Namespace) -> tuple[Any, Any]:
-    _, engine, tables = open_database(args)
-    if tables.outbox in missing_tables(engine, tables):  # the only one read here
-        raise CommandError(f"table {tables.outbox.fullname} not found; run `{PROG} init-db` first")
+    _, engine, tables = open_reading(args, lambda t: t.outbox)  # the only one read here
     require_columns(engine, tables.outbox)
     return engine, tables
 
@@ -197,43 +176,13 @@ def _os_user() -> str:
 
 
 def _every_parked(engine: Any, tables: Any) -> list[str]:
-    ids: list[str] = []
-    cursor = None
-    while True:
-        page = parked.list_parked(engine, limit=parked.MAX_LIMIT, after=cursor, tables=tables)
-        ids += [event.event_id for event in page.events]
-        if page.next_cursor is None:
-            return ids
-        cursor = page.next_cursor
+    def fetch(after: str | None) -> parked.Page:
+        return parked.list_parked(engine, limit=parked.MAX_LIMIT, after=after, tables=tables)
+
+    return [event.event_id for page in every_page(fetch) for event in page.events]
 
 
-def _confirm(args: argparse.Namespace, question: str) -> None:
-    if args.yes:
-        return
-    sys.stdout.write(f"{question} [y/N] ")
-    sys.stdout.flush()
-    answer = sys.stdin.readline().strip().lower()
-    if answer not in ("y", "yes"):
-        raise CommandError("not confirmed: nothing changed (--yes skips the question)")
-
-
-def _named(ids: Sequence[str]) -> str:
-    if not ids:
-        return ""
-    more = f" and {len(ids) - _SHOWN} more" if len(ids) > _SHOWN else ""
-    return ": " + ", ".join(printable(i) for i in ids[:_SHOWN]) + more
-
-
-def _unmatched(ids: Sequence[str], found: Sequence[str]) -> None:
-    missing = [i for i in ids if i not in set(found)]
-    if missing:
-        print(
-            f"{len(missing)} id(s) not parked (pending, published, abandoned or unknown), "
-            f"left alone{_named(missing)}"
-        )
-
-
-def _table(found: Sequence[OutboxEvent], *, abandoned: bool) -> None:
+def _rows(found: Sequence[OutboxEvent], *, abandoned: bool) -> list[tuple[str, ...]]:
     head = (
         "EVENT ID",
         "DESTINATION",
@@ -241,11 +190,10 @@ def _table(found: Sequence[OutboxEvent], *, abandoned: bool) -> None:
         "ATTEMPTS",
         "ABANDONED AT" if abandoned else "PARKED AT",
     )
-    rows = [(*head, "BY: REASON" if abandoned else "REASON")]
+    rows: list[tuple[str, ...]] = [(*head, "BY: REASON" if abandoned else "REASON")]
     for e in found:
         at = e.abandoned_at if abandoned else e.parked_at
         why = f"{e.abandoned_by}: {e.abandoned_reason}" if abandoned else (e.parked_reason or "")
-        why = printable(" ".join(why.split()))
         rows.append(
             (
                 printable(e.event_id),
@@ -253,9 +201,7 @@ def _table(found: Sequence[OutboxEvent], *, abandoned: bool) -> None:
                 printable(e.key or "-"),
                 str(e.attempts),
                 at.strftime("%Y-%m-%d %H:%M:%S") if at else "-",
-                why if len(why) <= 60 else why[:59] + "…",
+                clip(why),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)), row[5])
+    return rows

@@ -24,7 +24,7 @@ from ..prune.idempotency import EXPIRY
 from ..prune.pruner import Pruner
 from ..prune.report import PruneProgress, PruneReport
 from ..prune.windows import UnknownConsumer
-from .common import UsageError, open_database, require_tables
+from .common import UsageError, open_database, parse_duration, parse_windows, require_tables
 from .redact import shown
 from .retention import read_retention
 
@@ -107,20 +107,6 @@ def render(value: timedelta | None) -> str:
     return "forever" if value is None else durations.render(value)
 
 
-def _duration(text: str | None, option: str) -> timedelta | None:
-    if text is None:
-        return None
-    if option == "--retention" and text.strip().lower() in durations.FOREVER:
-        raise UsageError(
-            f"--retention {text!r}: a pruner needs a finite window; to keep one consumer's "
-            "records forever, give it --window NAME=forever (or choose the others with --consumer)"
-        )
-    try:
-        return durations.parse(text, option)
-    except ConfigurationError as error:
-        raise UsageError(str(error)) from None
-
-
 def _idempotency_keep(text: str) -> timedelta | str | None:
     chosen = text.strip().lower()
     if chosen == "off":
@@ -132,27 +118,18 @@ def _idempotency_keep(text: str) -> timedelta | str | None:
             f"--idempotency-keep {text!r}: keys are kept until their stored expiry by default; "
             "'off' leaves them all"
         )
-    return _duration(text, "--idempotency-keep")
-
-
-def _windows(entries: list[str] | None) -> dict[str, timedelta | None]:
-    windows: dict[str, timedelta | None] = {}
-    for entry in entries or []:
-        name, _, text = entry.partition("=")
-        if not name.strip() or not text:
-            raise UsageError(f"--window {entry!r}: expected NAME=DURATION, e.g. ledger=30d")
-        forever = text.strip().lower() in durations.FOREVER
-        windows[name.strip()] = None if forever else _duration(text, f"--window {name.strip()}")
-    return windows
+    return parse_duration(text, "--idempotency-keep")
 
 
 def run(args: argparse.Namespace) -> int:
-    retention = _duration(args.retention, "--retention")
-    buffer = _duration(args.buffer, "--buffer")
-    every = _duration(args.every, "--every")
+    retention = parse_duration(args.retention, "--retention")
+    buffer = parse_duration(args.buffer, "--buffer")
+    every = parse_duration(args.every, "--every")
     settings = _settings(args)
     every_batch = args.progress_every.strip() in ("0", "0s")
-    progress = timedelta(0) if every_batch else _duration(args.progress_every, "--progress-every")
+    progress = (
+        timedelta(0) if every_batch else parse_duration(args.progress_every, "--progress-every")
+    )
     url, engine, tables = open_database(args)
     require_tables(engine, tables)
     broker = read_retention(args)
@@ -187,10 +164,10 @@ def _settings(args: argparse.Namespace) -> PrunerSettings:
     """PrunerConfig's settings from the options, each option's usage error before any connection."""
     off = args.outbox_keep.strip().lower() == "off"
     settings: PrunerSettings = {
-        "outbox_keep": None if off else _duration(args.outbox_keep, "--outbox-keep"),
+        "outbox_keep": None if off else parse_duration(args.outbox_keep, "--outbox-keep"),
         "idempotency_keep": _idempotency_keep(args.idempotency_keep),
-        "windows": _windows(args.window),
-        "batch_pause": _duration(args.batch_pause, "--batch-pause") or ZERO,
+        "windows": parse_windows(args.window),
+        "batch_pause": parse_duration(args.batch_pause, "--batch-pause") or ZERO,
         "batch_size": args.batch_size,
         "dry_run": args.dry_run,
     }
