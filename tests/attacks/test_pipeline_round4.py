@@ -104,3 +104,34 @@ def test_writes_after_ending_the_transaction_never_commit(
     assert isinstance(results[1].error, TransactionBroken), results[1].reason
     assert _ledger(db) == ["a", "c"]
     assert _records(db) == {"a": "processed", "b": "failed", "c": "processed"}
+
+
+# A handler that commits through the raw DB-API connection, mid-batch ----------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the raw DB-API commit() is caught only after it committed the batch's "
+    "claims (claim-first: c DUPLICATE, never run) or effects without records (check-first: "
+    "a run again); refusing it in advance is not done yet",
+)
+@pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
+def test_a_raw_dbapi_commit_mid_batch_loses_or_doubles_nothing(
+    db: Database, claim_first: bool
+) -> None:
+    db.create_ledger()
+
+    def handle(message: Message, session: Any) -> None:
+        session.execute(_insert(db, message.id))
+        if message.id == "b":
+            session.connection().connection.dbapi_connection.commit()
+
+    results = _run(db, "sync", claim_first, handle, handle, ["a", "b", "c"])
+    stored = _records(db)
+    done = _ledger(db)
+    for result in results:
+        key = result.message.id
+        if result.outcome in (Outcome.PROCESSED, Outcome.DUPLICATE):
+            assert done.count(key) == 1 and stored[key] == "processed", (key, done, stored)
+        elif result.outcome is Outcome.FAILED:
+            assert done.count(key) == 0 and stored[key] == "failed", (key, done, stored)
