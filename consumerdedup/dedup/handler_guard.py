@@ -35,6 +35,8 @@ statement's context).
 
 from __future__ import annotations
 
+import inspect
+import sqlite3
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -98,6 +100,7 @@ class HandlerCall:
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = connection.info
         session.info[_CALL] = self.info[_CALL] = self
+        self._unlock = _lock_raw_ends(connection.connection.driver_connection, self)
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
@@ -107,6 +110,7 @@ class HandlerCall:
         """
         self.session.info.pop(_CALL, None)
         self.info.pop(_CALL, None)
+        self._unlock()
         if self.second_connection:
             raise ConfigurationError(_TWO_CONNECTIONS)
 
@@ -224,6 +228,10 @@ class HandlerCall:
         self.ended = "the handler committed the connection"
         raise CommitInHandler(f"the handler committed the connection: {_NO_COMMIT}")
 
+    def _refuse_raw_end(self, word: str) -> CommitInHandler:
+        self.ended = f"the handler called the raw DB-API connection's {word}()"
+        return CommitInHandler(f"{self.ended}: {_NO_COMMIT}, and never through the raw connection")
+
     def _swallowed_error(self) -> BaseException | None:
         """The DB-API error last met, wrapped as SQLAlchemy raised it to the handler."""
         if self.swallowed is None:
@@ -278,6 +286,57 @@ def _watch(target: Session | Connection, events: list[tuple[str, Any]]) -> None:
         for name, fn in events:
             event.listen(target, name, fn)
         _watched.add(target)
+
+
+def _lock_raw_ends(raw: Any, call: HandlerCall) -> Callable[[], None]:
+    """Refuse the raw DB-API connection's ``commit()`` while ``call`` runs (a rollback loses
+    nothing, and SQLAlchemy's own rollback goes through it: caught afterwards, as before);
+    send back what lifts that. Caught only afterwards, a raw commit would already have
+    committed the batch's claims (claim-first: the messages after it reported DUPLICATE,
+    their handlers never run) or its handlers' effects without their records (check-first:
+    run again). sqlite3's methods cannot be replaced: its authorizer denies COMMIT
+    instead (any authorizer of the application's on that connection is removed).
+    A driver connection that takes neither is refused: the guard cannot hold on it."""
+    if isinstance(raw, sqlite3.Connection):
+
+        def authorize(action: int, *_args: Any) -> int:
+            if action == sqlite3.SQLITE_TRANSACTION and str(_args[0]).upper() == "COMMIT":
+                call._refuse_raw_end("commit")
+                return sqlite3.SQLITE_DENY
+            return sqlite3.SQLITE_OK
+
+        raw.set_authorizer(authorize)
+        return lambda: raw.set_authorizer(None)
+    for word in ("commit",):
+        try:
+            setattr(
+                raw, word, _refusal(call, word, inspect.iscoroutinefunction(getattr(raw, word)))
+            )
+        except (AttributeError, TypeError) as exc:
+            raise ConfigurationError(
+                f"{type(raw).__name__}: its {word}() cannot be refused while a handler runs, so "
+                "a handler could commit apart from the dedup record; use the DB-API module "
+                "its dialect loads itself"
+            ) from exc
+
+    def unlock() -> None:
+        vars(raw).pop("commit", None)
+
+    return unlock
+
+
+def _refusal(call: HandlerCall, word: str, coroutine: bool) -> Callable[..., Any]:
+    if coroutine:
+
+        async def refuse_async(*_args: Any, **_kwargs: Any) -> None:
+            raise call._refuse_raw_end(word)
+
+        return refuse_async
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise call._refuse_raw_end(word)
+
+    return refuse
 
 
 def _idle(connection: Connection) -> bool:

@@ -109,16 +109,14 @@ def test_writes_after_ending_the_transaction_never_commit(
 # A handler that commits through the raw DB-API connection, mid-batch ----------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the raw DB-API commit() is caught only after it committed the batch's "
-    "claims (claim-first: c DUPLICATE, never run) or effects without records (check-first: "
-    "a run again); refusing it in advance is not done yet",
-)
 @pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
 def test_a_raw_dbapi_commit_mid_batch_loses_or_doubles_nothing(
     db: Database, claim_first: bool
 ) -> None:
+    """Before: the raw commit() was caught only after it had committed: claim-first
+    committed every claim of the batch (c reported DUPLICATE, its handler never run: its
+    effect lost); check-first committed a's effect without its record (a run again:
+    doubled). Both databases."""
     db.create_ledger()
 
     def handle(message: Message, session: Any) -> None:
@@ -135,3 +133,4 @@ def test_a_raw_dbapi_commit_mid_batch_loses_or_doubles_nothing(
             assert done.count(key) == 1 and stored[key] == "processed", (key, done, stored)
         elif result.outcome is Outcome.FAILED:
             assert done.count(key) == 0 and stored[key] == "failed", (key, done, stored)
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
