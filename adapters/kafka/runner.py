@@ -94,6 +94,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         """
         if self.consumer is not None:
             raise RuntimeError("this runner is already running")
+        await self.processor.check_startup()  # a missing table or right stops it here
         cfg = self.config
         consumer = connection.consumer(self.bootstrap_servers, self.group_id, cfg.consumer_options)
         consumer.subscribe(list(self.topics), listener=_Listener(self))

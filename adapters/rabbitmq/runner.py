@@ -85,6 +85,7 @@ class RabbitConsumerRunner(ConsumerRunner):
         and the queue has nothing ready: for tests, scripts and draining.
         """
         try:
+            self.processor.check_startup()  # a missing table or right stops it here
             self._run(until_idle)
         finally:
             self.processor.close()

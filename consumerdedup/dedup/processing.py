@@ -40,6 +40,21 @@ class BlockingProcessor:
         self.handler = checked(handler)
         self.consumer = self.handler.dedup.consumer
         self._loop = OwnLoop()
+        self._checked = False
+
+    def check_startup(self) -> None:
+        """Once per processor, before anything is consumed: ``doctor.require_startup`` on
+        the handler's database and consumerdedup's own tables (ConfigurationError)."""
+        if self._checked:
+            return
+        from ..doctor import require_startup, require_startup_async
+
+        handler, tables = self.handler, self.handler.dedup.tables
+        if isinstance(handler, AsyncDedupHandler):
+            self._loop.run(require_startup_async(handler.dedup.engine, tables))
+        else:
+            require_startup(handler.dedup.engine, tables)
+        self._checked = True
 
     def process(self, delivered: Sequence[Delivered], *, ordered: bool = False) -> list[Result]:
         """One Result per delivery, in order (see the module's docstring)."""
@@ -58,6 +73,20 @@ class AsyncProcessor:
     def __init__(self, handler: object) -> None:
         self.handler = checked(handler)
         self.consumer = self.handler.dedup.consumer
+        self._checked = False
+
+    async def check_startup(self) -> None:
+        """``BlockingProcessor.check_startup`` from asyncio code."""
+        if self._checked:
+            return
+        from ..doctor import require_startup, require_startup_async
+
+        handler, tables = self.handler, self.handler.dedup.tables
+        if isinstance(handler, AsyncDedupHandler):
+            await require_startup_async(handler.dedup.engine, tables)
+        else:
+            await asyncio.to_thread(require_startup, handler.dedup.engine, tables)
+        self._checked = True
 
     async def process(
         self, delivered: Sequence[Delivered], *, ordered: bool = False

@@ -14,14 +14,27 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from ..errors import ConfigurationError
 from ..prune.windows import BrokerRetention
 from ..schema import DEFAULT, Tables
 
-__all__ = ["Check", "Settings", "diagnose", "failed", "require_startup", "startup_checks"]
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = [
+    "Check",
+    "Settings",
+    "diagnose",
+    "failed",
+    "require_startup",
+    "require_startup_async",
+    "startup_checks",
+    "startup_checks_async",
+]
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -104,14 +117,36 @@ def startup_checks(engine: Engine, tables: Tables = DEFAULT) -> list[Check]:
     except Exception as error:
         return [*found, checks.unreachable(engine, error)]
     with conn:
-        found.append(checks.reachable(conn))
-        structure, present = checks.tables(conn, tables)
-        found.append(structure)
-        if present:
-            found.append(checks.keys(conn, tables, present))
-            found.append(checks.write_rights(conn, tables, present))
-        if conn.in_transaction():
-            conn.rollback()
+        return [*found, *_connected_startup_checks(conn, tables)]
+
+
+async def startup_checks_async(engine: AsyncEngine, tables: Tables = DEFAULT) -> list[Check]:
+    """``startup_checks`` for an AsyncEngine: the same checks, on one connection, run in
+    the sync world through ``run_sync``."""
+    from . import checks
+
+    found = [checks.engine_settings(engine.sync_engine)]
+    try:
+        conn = await engine.connect()
+    except Exception as error:
+        return [*found, checks.unreachable(engine.sync_engine, error)]
+    try:
+        return [*found, *await conn.run_sync(_connected_startup_checks, tables)]
+    finally:
+        await conn.close()
+
+
+def _connected_startup_checks(conn: Connection, tables: Tables) -> list[Check]:
+    from . import checks
+
+    found = [checks.reachable(conn)]
+    structure, present = checks.tables(conn, tables)
+    found.append(structure)
+    if present:
+        found.append(checks.keys(conn, tables, present))
+        found.append(checks.write_rights(conn, tables, present))
+    if conn.in_transaction():
+        conn.rollback()
     return found
 
 
@@ -122,7 +157,16 @@ def failed(found: Sequence[Check]) -> list[Check]:
 def require_startup(engine: Engine, tables: Tables = DEFAULT) -> None:
     """``startup_checks``, for a runner or relay about to start: ConfigurationError naming
     each FAIL and its fix, instead of logging ``consuming ...`` and failing later."""
-    if bad := failed(startup_checks(engine, tables)):
+    _require(startup_checks(engine, tables))
+
+
+def _require(found: Sequence[Check]) -> None:
+    if bad := failed(found):
         raise ConfigurationError(
             "; ".join(f"{c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else "") for c in bad)
         )
+
+
+async def require_startup_async(engine: AsyncEngine, tables: Tables = DEFAULT) -> None:
+    """``require_startup`` for an AsyncEngine (``startup_checks_async``)."""
+    _require(await startup_checks_async(engine, tables))

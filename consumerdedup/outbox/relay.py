@@ -99,9 +99,20 @@ class OutboxRelay(StopSwitch):
         self._idle = threading.Condition()
         self._rounds = 0
         self._broker_trouble = False
+        self._checked = False  # doctor's start checks passed (once per relay)
+
+    def _check_startup(self) -> None:
+        """Once per relay, before the first claim: ``doctor.require_startup`` (the database
+        reachable, consumerdedup's own tables present, the rights to write them)."""
+        if not self._checked:
+            from ..doctor import require_startup
+
+            require_startup(self.engine, self.tables)
+            self._checked = True
 
     def run_once(self) -> int:
         """One round: claim, publish, mark, commit. Returns how many rows were published."""
+        self._check_startup()  # a missing table or right stops it here
         self.sender.check_thread()  # before any row is claimed
         self._broker_trouble = False
         with self.engine.connect() as conn:
@@ -156,6 +167,7 @@ class OutboxRelay(StopSwitch):
 
     def run(self) -> None:
         """Publish until stop(): rounds back to back while there is work, else wait for news."""
+        self._check_startup()  # a missing table or right stops it here, before LISTEN
         listener = Listener(self.engine, self.tables.outbox, self.tables.notify_channel)
         failures = 0
         try:

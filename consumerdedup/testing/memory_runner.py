@@ -137,6 +137,7 @@ class MemoryConsumerRunner(ConsumerRunner):
         consumer's connection closes and Kafka when a group member leaves.
         """
         try:
+            self.processor.check_startup()  # a missing table or right stops it here
             self._consume(until_idle)
         finally:
             self.broker.disconnect(self.name)
