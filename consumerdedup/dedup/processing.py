@@ -50,10 +50,11 @@ class BlockingProcessor:
         from ..doctor import require_startup, require_startup_async
 
         handler, tables = self.handler, self.handler.dedup.tables
+        used = [tables.processed_events]  # a consumer's own table; its outbox may be unused
         if isinstance(handler, AsyncDedupHandler):
-            self._loop.run(require_startup_async(handler.dedup.engine, tables))
+            self._loop.run(require_startup_async(handler.dedup.engine, tables, used))
         else:
-            require_startup(handler.dedup.engine, tables)
+            require_startup(handler.dedup.engine, tables, used)
         self._checked = True
 
     def process(self, delivered: Sequence[Delivered], *, ordered: bool = False) -> list[Result]:
@@ -82,10 +83,11 @@ class AsyncProcessor:
         from ..doctor import require_startup, require_startup_async
 
         handler, tables = self.handler, self.handler.dedup.tables
+        used = [tables.processed_events]  # a consumer's own table; its outbox may be unused
         if isinstance(handler, AsyncDedupHandler):
-            await require_startup_async(handler.dedup.engine, tables)
+            await require_startup_async(handler.dedup.engine, tables, used)
         else:
-            await asyncio.to_thread(require_startup, handler.dedup.engine, tables)
+            await asyncio.to_thread(require_startup, handler.dedup.engine, tables, used)
         self._checked = True
 
     async def process(

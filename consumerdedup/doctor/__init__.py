@@ -12,11 +12,11 @@ database: the write probe on SQLite rolls back, on PostgreSQL it asks
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, Table
 
 from ..errors import ConfigurationError
 from ..prune.windows import BrokerRetention
@@ -106,21 +106,29 @@ def diagnose(
     return found
 
 
-def startup_checks(engine: Engine, tables: Tables = DEFAULT) -> list[Check]:
-    """The cheap part, for a runner or relay at start: reachable, tables present, their keys
-    (dedup rests on them), rights."""
+def startup_checks(
+    engine: Engine, tables: Tables = DEFAULT, needed: Sequence[Table] | None = None
+) -> list[Check]:
+    """The cheap part, for a runner or relay at start: reachable, the tables it uses
+    (``needed``; default all of ours) present, their keys (dedup rests on them), rights.
+
+    A database that cannot be reached now is an outage, not a setup fault: it is a WARN,
+    and the process's own retry takes it from there, as before; a refused login is a FAIL.
+    """
     from . import checks
 
     found = [checks.engine_settings(engine)]
     try:
         conn = engine.connect()
     except Exception as error:
-        return [*found, checks.unreachable(engine, error)]
+        return [*found, _not_reached(engine, error)]
     with conn:
-        return [*found, *_connected_startup_checks(conn, tables)]
+        return [*found, *_connected_startup_checks(conn, tables, needed)]
 
 
-async def startup_checks_async(engine: AsyncEngine, tables: Tables = DEFAULT) -> list[Check]:
+async def startup_checks_async(
+    engine: AsyncEngine, tables: Tables = DEFAULT, needed: Sequence[Table] | None = None
+) -> list[Check]:
     """``startup_checks`` for an AsyncEngine: the same checks, on one connection, run in
     the sync world through ``run_sync``."""
     from . import checks
@@ -129,19 +137,34 @@ async def startup_checks_async(engine: AsyncEngine, tables: Tables = DEFAULT) ->
     try:
         conn = await engine.connect()
     except Exception as error:
-        return [*found, checks.unreachable(engine.sync_engine, error)]
+        return [*found, _not_reached(engine.sync_engine, error)]
     try:
-        return [*found, *await conn.run_sync(_connected_startup_checks, tables)]
+        return [*found, *await conn.run_sync(_connected_startup_checks, tables, needed)]
     finally:
         await conn.close()
 
 
-def _connected_startup_checks(conn: Connection, tables: Tables) -> list[Check]:
+def _not_reached(engine: Engine, error: Exception) -> Check:
+    from ..reasons import authentication_refused
     from . import checks
 
+    said = checks.unreachable(engine, error)
+    return said if authentication_refused(error) else replace(said, status=WARN)
+
+
+def _connected_startup_checks(
+    conn: Connection, tables: Tables, needed: Sequence[Table] | None = None
+) -> list[Check]:
+    from ..db import catalog
+    from . import checks
+
+    used = list(tables.owned if needed is None else needed)
     found = [checks.reachable(conn)]
-    structure, present = checks.tables(conn, tables)
-    found.append(structure)
+    present = catalog.existing(conn, used)
+    if missing := [t.fullname for t in used if t.fullname not in present]:
+        found.append(Check("tables", FAIL, f"missing: {', '.join(missing)}", checks.INIT_DB))
+    else:
+        found.append(Check("tables", OK, ", ".join(t.fullname for t in used)))
     if present:
         found.append(checks.keys(conn, tables, present))
         found.append(checks.write_rights(conn, tables, present))
@@ -154,10 +177,12 @@ def failed(found: Sequence[Check]) -> list[Check]:
     return [c for c in found if c.status == FAIL]
 
 
-def require_startup(engine: Engine, tables: Tables = DEFAULT) -> None:
+def require_startup(
+    engine: Engine, tables: Tables = DEFAULT, needed: Sequence[Table] | None = None
+) -> None:
     """``startup_checks``, for a runner or relay about to start: ConfigurationError naming
     each FAIL and its fix, instead of logging ``consuming ...`` and failing later."""
-    _require(startup_checks(engine, tables))
+    _require(startup_checks(engine, tables, needed))
 
 
 def _require(found: Sequence[Check]) -> None:
@@ -167,6 +192,8 @@ def _require(found: Sequence[Check]) -> None:
         )
 
 
-async def require_startup_async(engine: AsyncEngine, tables: Tables = DEFAULT) -> None:
+async def require_startup_async(
+    engine: AsyncEngine, tables: Tables = DEFAULT, needed: Sequence[Table] | None = None
+) -> None:
     """``require_startup`` for an AsyncEngine (``startup_checks_async``)."""
-    _require(await startup_checks_async(engine, tables))
+    _require(await startup_checks_async(engine, tables, needed))

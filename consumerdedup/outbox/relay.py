@@ -107,7 +107,7 @@ class OutboxRelay(StopSwitch):
         if not self._checked:
             from ..doctor import require_startup
 
-            require_startup(self.engine, self.tables)
+            require_startup(self.engine, self.tables, [self.tables.outbox])
             self._checked = True
 
     def run_once(self) -> int:

@@ -64,3 +64,31 @@ def test_a_healthy_start_consumes(db: Any, kind: str) -> None:
     runner.run(until_idle=True)
     assert seen == ["m-1"] and runner.outcomes[Outcome.PROCESSED] == 1
     assert broker.held("q") == 0 and db.scalar(f"SELECT count(*) FROM {db.name('ledger')}") == 1
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_consumer_needs_only_its_own_table(db: Any, kind: str) -> None:
+    """A consumer that never writes outbox events need not have the outbox (or the HTTP
+    keys' table): the start check asks for processed_events alone."""
+    db.create_ledger()
+    broker = MemoryBroker()
+    broker.publish("q", b"{}", message_id="m-1")
+    seen: list[str] = []
+    runner = MemoryConsumerRunner(handler(db, kind, seen), "q", broker=broker)
+    drop(db, "outbox")
+    drop(db, "idempotency_keys")
+    runner.run(until_idle=True)
+    assert seen == ["m-1"] and runner.outcomes[Outcome.PROCESSED] == 1
+
+
+def test_a_database_down_at_start_is_an_outage_not_a_setup_fault() -> None:
+    """The process's own retry rides out an outage, as before the start checks: only a
+    refused login or a missing table stops it at start."""
+    from sqlalchemy import create_engine
+
+    from consumerdedup.doctor import WARN, require_startup, startup_checks
+
+    engine = create_engine("postgresql+psycopg://nobody:pw@127.0.0.1:1/x")
+    found = {c.name: c.status for c in startup_checks(engine)}
+    assert found["database"] == WARN
+    require_startup(engine)  # does not raise
