@@ -189,8 +189,9 @@ def test_an_unreachable_database_fails(
     found = line(out, "database")
     assert FAIL in found and f"127.0.0.1:{port}" in found and "Connection refused" in found
     assert "s3cr3t" not in out
+    # At a process's start the same outage is a WARN: its own retry rides it out (b07efd8).
     checks = startup_checks(create_engine(url))
-    assert [c.name for c in failed(checks)] == ["database"]
+    assert failed(checks) == [] and [c.status for c in checks if c.name == "database"] == ["warn"]
 
 
 @contextlib.contextmanager
