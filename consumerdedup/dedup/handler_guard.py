@@ -11,10 +11,13 @@ transaction-control SQL are refused while a handler runs, whatever its
 spelling (db.control_sql); after every statement the driver's own transaction
 state is read, so a statement that ended the transaction anyway is caught at
 that statement; everything else is caught when the handler returns and
-reported with the error the handler swallowed. Not refused in advance: the raw
-DB-API connection's own ``commit()``/``rollback()`` (caught at the handler's
-next statement, or when it returns; what such a commit committed stays
-committed).
+reported with the error the handler swallowed. The raw DB-API connection's own
+``commit()`` is refused while a handler runs too (psycopg and aiosqlite: the
+method is replaced for the call; sqlite3: its authorizer denies COMMIT, replacing
+any authorizer the application set on that connection). Not refused in advance:
+its ``rollback()`` (SQLAlchemy's own rollback goes through it) and, on psycopg, a
+COMMIT sent through the raw connection's ``execute()``: caught at the handler's
+next statement or when it returns; what such a commit committed stays committed.
 
 Where the guard sits: nowhere but on what a handler is handed. The first time a
 session instance is handed to a handler, it gets SQLAlchemy event listeners
