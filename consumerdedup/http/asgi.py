@@ -15,7 +15,7 @@ with the stored response before the response is sent. One request's work
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine
@@ -25,16 +25,11 @@ from sqlalchemy.orm import Session
 from ..errors import ConfigurationError
 from ..schema import DEFAULT, Tables
 from . import flow
-from .asgi_exchange import Exchange
+from .asgi_exchange import ASGIApp, Exchange, Receive, Scope, Send
 from .exchange import SESSION_KEY, ResolvedPolicy, check_store
 from .policy import IdempotencyPolicy
 from .sql_store import AsyncSqlStore, SqlStore
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Principal = Callable[[Mapping[str, Any]], "str | int | None"]
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -20,13 +20,35 @@ from sqlalchemy.orm import Session
 from . import exchange, flow
 from .asgi_held import HeldResponse, call, renew_lease, send_response
 from .policy import RoutePolicy
-from .sql_store import AsyncSqlStore, ClaimLost
+from .sql_store import AsyncSqlStore, ClaimLost, SqlStore
 from .store import Claimed, ClaimResult
 from .stored import StoredResponse
 from .transactional import complete_and_commit, hold_commits
 
-if TYPE_CHECKING:
-    from .asgi import IdempotencyMiddleware, Message, Receive, Scope, Send
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class Owner(Protocol):
+    """What an exchange reads of its middleware (asgi.IdempotencyMiddleware); a protocol,
+    so that this module does not import the one that imports it."""
+
+    @property
+    def app(self) -> ASGIApp: ...
+    @property
+    def engine(self) -> Any: ...
+    @property
+    def store(self) -> Any: ...
+    @property
+    def sql_store(self) -> SqlStore | AsyncSqlStore | None: ...
+    @property
+    def session_factory(self) -> Any: ...
+    @property
+    def lock_waits(self) -> bool: ...
+
 
 # A response held back must reach the client as the app sent it, not through a file handle.
 _DIRECT_SENDS = ("http.response.pathsend", "http.response.zerocopysend")
@@ -35,7 +57,7 @@ _DIRECT_SENDS = ("http.response.pathsend", "http.response.zerocopysend")
 class Exchange:
     """One request through the middleware: carries out flow's operations."""
 
-    def __init__(self, owner: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send):
+    def __init__(self, owner: Owner, scope: Scope, receive: Receive, send: Send):
         self.owner = owner
         self.scope = scope
         self.receive = receive

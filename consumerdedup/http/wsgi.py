@@ -30,11 +30,8 @@ from .exchange import (
 )
 from .policy import IdempotencyPolicy
 from .sql_store import SqlStore
-from .wsgi_exchange import Exchange
+from .wsgi_exchange import Environ, Exchange, StartResponse, WSGIApp
 
-Environ = dict[str, Any]
-StartResponse = Callable[..., Callable[[bytes], object]]
-WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 Principal = Callable[[Mapping[str, Any]], "str | int | None"]
 
 _HEADERS_WITHOUT_PREFIX = {"CONTENT_TYPE": "content-type", "CONTENT_LENGTH": "content-length"}

@@ -14,20 +14,37 @@ import http
 import io
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
 from . import exchange, flow
 from .policy import RoutePolicy
-from .sql_store import ClaimLost
+from .sql_store import ClaimLost, SqlStore
 from .store import Claimed, ClaimResult
 from .stored import REPLAYED_HEADER, StoredResponse
 from .transactional import complete_and_commit, hold_commits
 from .wsgi_held import HeldResponse, LeaseRenewer, read_exactly
 
-if TYPE_CHECKING:
-    from .wsgi import Environ, StartResponse, WSGIIdempotencyMiddleware
+Environ = dict[str, Any]
+StartResponse = Callable[..., Callable[[bytes], object]]
+WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
+
+
+class Owner(Protocol):
+    """What an exchange reads of its middleware (wsgi.WSGIIdempotencyMiddleware); a
+    protocol, so that this module does not import the one that imports it."""
+
+    @property
+    def app(self) -> WSGIApp: ...
+    @property
+    def engine(self) -> Any: ...
+    @property
+    def store(self) -> Any: ...
+    @property
+    def sql_store(self) -> SqlStore | None: ...
+    @property
+    def session_factory(self) -> Any: ...
 
 
 def _status_line(status: int) -> str:
@@ -44,9 +61,7 @@ class _ClientGone(Exception):
 class Exchange:
     """One request through the middleware: carries out flow's operations, blocking."""
 
-    def __init__(
-        self, owner: WSGIIdempotencyMiddleware, environ: Environ, start_response: StartResponse
-    ) -> None:
+    def __init__(self, owner: Owner, environ: Environ, start_response: StartResponse) -> None:
         self.owner = owner
         self.environ = environ
         self.start_response = start_response
