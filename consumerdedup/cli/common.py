@@ -168,16 +168,21 @@ def check_address(url: URL) -> None:
         )
 
 
-def open_database(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
-    """The URL, an engine and the tables the options name; the engine connects when first used."""
+def open_tables(args: argparse.Namespace) -> Tables:
+    """The tables the options name (a usage error if a name is not a table name)."""
     try:
-        tables = Tables.define(
+        return Tables.define(
             args.processed_events_table,
             args.outbox_table,
             partitioned=getattr(args, "partitioned", False),
         )
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
+
+
+def open_database(args: argparse.Namespace) -> tuple[URL, Engine, Tables]:
+    """The URL, an engine and the tables the options name; the engine connects when first used."""
+    tables = open_tables(args)
     url = parse_url(args.db, args.secrets)
     log.debug("database %s, tables %s", shown(url), table_names(tables.all))
     try:

@@ -5,18 +5,34 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sqlalchemy import create_mock_engine, make_url
+
 from ..errors import ConfigurationError
 from ..schema import SchemaLocked, ddl, install
-from .common import CommandError, missing_tables, open_database, table_names
+from .common import (
+    CommandError,
+    UsageError,
+    missing_tables,
+    open_database,
+    open_tables,
+    table_names,
+)
 from .redact import shown
 
+# Only a dialect's SQL compiler is used: a mock engine, which never connects.
+DIALECTS = {"postgresql": "postgresql+psycopg://", "sqlite": "sqlite://"}
 NAME = "init-db"
 HELP = "create the tables (idempotent)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--sql", action="store_true", help="print the DDL instead; needs no database"
+        "--sql", action="store_true", help="print the DDL instead; connects to no database"
+    )
+    parser.add_argument(
+        "--dialect",
+        choices=DIALECTS,
+        help="with --sql: the SQL dialect to print, instead of --db's (then no --db is needed)",
     )
     parser.add_argument(
         "--partitioned",
@@ -27,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dialect and not args.sql:
+        raise UsageError("--dialect goes with --sql (init-db itself uses --db's database)")
+    if args.sql and args.dialect:
+        return _print_ddl(args)
     url, engine, tables = open_database(args)
     try:
         if args.sql:
@@ -41,4 +61,14 @@ def run(args: argparse.Namespace) -> int:
     done = [f"created {table_names(missing)}"] if missing else []
     done += [f"already present: {', '.join(present)}"] if present else []
     print(f"{'; '.join(done)} ({shown(url)})")
+    return 0
+
+
+def _print_ddl(args: argparse.Namespace) -> int:
+    tables = open_tables(args)
+    engine = create_mock_engine(make_url(DIALECTS[args.dialect]), lambda *a, **k: None)
+    try:
+        sys.stdout.write(ddl(engine, tables))  # type: ignore[arg-type]  # compiles only
+    except ConfigurationError as error:  # --partitioned with --dialect sqlite
+        raise UsageError(str(error)) from None
     return 0

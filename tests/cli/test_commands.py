@@ -179,6 +179,30 @@ def test_sql_on_sqlite_creates_no_file(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+@pytest.mark.parametrize(
+    ("dialect", "extra", "url"),
+    [
+        ("postgresql", [], "postgresql://nobody@127.0.0.1:1/x"),
+        ("postgresql", ["--partitioned"], "postgresql://nobody@127.0.0.1:1/x"),
+        ("sqlite", [], "sqlite:////nonexistent-dir/never.db"),
+    ],
+)
+def test_sql_for_a_dialect_needs_no_database(dialect: str, extra: list[str], url: str) -> None:
+    """init-db --sql --dialect prints the DDL with no --db at all, and it is the DDL that
+    --db of that dialect prints (a closed port, a missing directory: never contacted)."""
+    bare = cli("init-db", "--sql", "--dialect", dialect, *extra)
+    assert bare.code == 0, bare.err
+    given = cli("init-db", "--sql", "--db", url, *extra)
+    assert given.code == 0, given.err
+    assert bare.out == given.out and "CREATE TABLE processed_events" in bare.out
+
+
+def test_dialect_without_sql_is_a_usage_error(sqlite_url: str) -> None:
+    run = cli("init-db", "--dialect", "sqlite", "--db", sqlite_url)
+    assert run.code == 2 and "--dialect goes with --sql" in run.err
+    assert cli("init-db", "--sql", "--dialect", "sqlite", "--partitioned").code == 2
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 
