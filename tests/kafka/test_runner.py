@@ -503,3 +503,20 @@ def test_runner_arguments_are_validated(sqlite_db: Any) -> None:
     with pytest.raises(ConfigurationError):
         KafkaConsumerRunner(handle, ["orders", "orders.dlq"])
     assert KafkaConsumerRunner(handle, "orders").group_id == "ledger"
+
+
+def test_a_missing_processed_events_stops_the_runner_before_it_joins_the_group(
+    db: Any,
+) -> None:
+    """Doctor's start check (issue 23) runs before the consumer is built: the missing table
+    and the fix, not BrokerUnavailable (nothing listens at this address), and no offset
+    of any group is committed because none was joined."""
+    dedup = Deduplicator(db.engine, consumer="ledger", tables=db.tables)
+    handler = dedup.handler(lambda message, session: None)
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {db.name('processed_events')}")
+    runner = KafkaConsumerRunner(handler, "t", bootstrap_servers="127.0.0.1:1", group_id="g")
+    with pytest.raises(ConfigurationError) as refused:
+        asyncio.run(runner.run())
+    said = str(refused.value)
+    assert db.tables.processed_events.fullname in said and "consumerdedup init-db" in said

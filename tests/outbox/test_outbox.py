@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from consumerdedup import (
     AsyncPublisher,
     BrokerUnavailable,
+    ConfigurationError,
     Deduplicator,
     DestinationMissing,
     Message,
@@ -119,6 +120,21 @@ def test_relay_publishes_each_key_in_order_and_marks_rows(db: Any) -> None:
         of_key = [int(m.body[1:]) for m in published if int(m.body[1:]) % 3 == key]
         assert of_key == sorted(of_key)
     assert all(r.published_at is not None for r in outbox_rows(db))
+
+
+@pytest.mark.parametrize("step", ["run_once", "run"])
+def test_a_relay_without_its_outbox_stops_at_start_naming_it(db: Any, step: str) -> None:
+    """Doctor's start check (issue 23): the missing table and the fix, before any round;
+    a relay needs its outbox only (processed_events is dropped too, and not asked for)."""
+    for table in ("outbox", "processed_events"):
+        with db.engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE {db.name(table)}")
+    relay = OutboxRelay(db.engine, MemoryBroker(), tables=db.tables, config=QUICK)
+    with pytest.raises(ConfigurationError) as refused:
+        getattr(relay, step)()
+    said = str(refused.value)
+    assert db.tables.outbox.fullname in said and "consumerdedup init-db" in said
+    assert db.tables.processed_events.fullname not in said
 
 
 def test_delete_published_removes_rows(db: Any) -> None:

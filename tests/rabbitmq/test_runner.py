@@ -387,3 +387,20 @@ def test_a_quorum_queue_declared_by_the_runner_works_the_same(db: Any, rabbit: B
     [(props, _)] = dead_letters(rabbit, queue)
     assert props.message_id == "m-2" and props.headers[REASON_HEADER] == "PermanentError: bad"
     assert rabbit.held(queue) == 0
+
+
+def test_a_missing_processed_events_stops_the_runner_before_it_consumes(
+    db: Any, rabbit: Broker
+) -> None:
+    """Doctor's start check (issue 23): one line naming the table and the fix, and the
+    message stays on the queue, instead of `consuming ...` and a RETRY per delivery."""
+    queue = rabbit.queue()
+    rabbit.publish(queue, body(n=1), "m-1")
+    consumer = Consumer(db, rabbit, queue)
+    with db.engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {db.name('processed_events')}")
+    with pytest.raises(ConfigurationError) as refused:
+        consumer.runner.run(until_idle=True)
+    said = str(refused.value)
+    assert db.tables.processed_events.fullname in said and "consumerdedup init-db" in said
+    assert consumer.seen == [] and rabbit.held(queue) == 1
