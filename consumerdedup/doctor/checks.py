@@ -13,7 +13,7 @@ from ..db.names import table_sql
 from ..errors import ConfigurationError
 from ..reasons import authentication_refused, describe
 from ..schema import (
-    _AFTER_INSERT_FOR_EACH_STATEMENT,
+    AFTER_INSERT_FOR_EACH_STATEMENT,
     NOTIFY_BODY,
     SCHEMA_VERSION,
     Tables,
@@ -165,7 +165,7 @@ def notify_trigger(conn: Connection, tables: Tables) -> list[Check]:
     if function[1] != NOTIFY_BODY:
         detail = f"{function_name}() does not notify {channel}, the channel relays listen on"
         return [Check("notify trigger", FAIL, detail, fix)]
-    expected = catalog.Trigger(function[0], _AFTER_INSERT_FOR_EACH_STATEMENT, "O", 0, False)
+    expected = catalog.Trigger(function[0], AFTER_INSERT_FOR_EACH_STATEMENT, "O", 0, False)
     if found not in (expected, replace(expected, enabled="A")):
         if found.function != function[0]:  # ours by name, calling another function
             state = f"calling another function, not {function_name}()"
