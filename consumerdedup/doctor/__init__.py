@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, Table
 
-from ..errors import ConfigurationError
+from ..errors import AuthenticationFailed, ConfigurationError
 from ..prune.windows import BrokerRetention
 from ..schema import DEFAULT, Tables
 
@@ -187,7 +187,9 @@ def require_startup(
 
 def _require(found: Sequence[Check]) -> None:
     if bad := failed(found):
-        raise ConfigurationError(
+        # A refused login is its own error (fatal everywhere, as at the first transaction).
+        refused = any(c.name == "database" for c in bad)
+        raise (AuthenticationFailed if refused else ConfigurationError)(
             "; ".join(f"{c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else "") for c in bad)
         )
 
