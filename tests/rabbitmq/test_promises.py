@@ -52,13 +52,15 @@ class Consumer:
                 {"m": message.id},
             )
 
-        process_batch = handle.process_batch
+        # The runner hands each batch to process_deliveries (1424888): record what it gets.
+        process_deliveries = handle.process_deliveries
 
-        def recorded(messages: Sequence[Message], **options: Any) -> list[Result]:
-            self.batches.append([str(m.id) for m in messages])
-            return process_batch(messages, **options)
+        def recorded(delivered: Sequence[Any], **options: Any) -> list[Result]:
+            ids = [str((d[0] if isinstance(d, tuple) else d).id) for d in delivered]
+            self.batches.append(ids)
+            return process_deliveries(delivered, **options)
 
-        handle.process_batch = recorded  # type: ignore[method-assign]
+        handle.process_deliveries = recorded  # type: ignore[method-assign]
         self.runner = RabbitConsumerRunner(
             handle, queue, url=rabbit.url, config=RabbitConfig(**{**FAST, **config})
         )
