@@ -10,21 +10,17 @@ the schema version it recorded.
 """
 
 from ..db.catalog import SchemaLocked
+from .columns import ID_LENGTH, utcnow
 from .install import ddl, install, installed_version, version_rows_sql
+from .notify import AFTER_INSERT_FOR_EACH_STATEMENT, NOTIFY_BODY, NOTIFY_PREFIX, notify_channel_of
 from .tables import (
-    AFTER_INSERT_FOR_EACH_STATEMENT,
     DEFAULT,
-    ID_LENGTH,
-    NOTIFY_BODY,
-    NOTIFY_PREFIX,
     SCHEMA_VERSION,
     VERSION_TABLE,
     Tables,
     metadata,
-    notify_channel_of,
     outbox,
     processed_events,
-    utcnow,
 )
 
 __all__ = [

@@ -15,14 +15,9 @@ from ..db import catalog, sqlite
 from ..db.names import table_sql
 from ..db.partitions import AHEAD, DayPartitions
 from ..errors import ConfigurationError
-from .tables import (
-    AFTER_INSERT_FOR_EACH_STATEMENT,
-    DEFAULT,
-    NOTIFY_BODY,
-    SCHEMA_VERSION,
-    Tables,
-    utcnow,
-)
+from .columns import utcnow
+from .notify import AFTER_INSERT_FOR_EACH_STATEMENT, NOTIFY_BODY
+from .tables import DEFAULT, SCHEMA_VERSION, Tables
 
 
 def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:

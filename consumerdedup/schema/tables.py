@@ -1,55 +1,25 @@
-"""The library's tables as SQLAlchemy Core objects (``Tables``), the NOTIFY trigger's SQL
-and the schema version's constants; creating them is ``install`` (schema.install).
+"""``Tables``: the library's four tables under the names you choose, and the schema
+version's constants; creating them is ``install`` (schema.install).
 
-Past 250 lines because ``Tables.define`` holds the four table definitions, each column
-with why it is there, and they read best together with the names they derive."""
+The columns are in schema.columns, the outbox's NOTIFY trigger in schema.notify; this
+module resolves and checks the names and ties the tables together.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
 
-from sqlalchemy import (
-    JSON,
-    BigInteger,
-    Column,
-    DateTime,
-    Identity,
-    Index,
-    Integer,
-    LargeBinary,
-    MetaData,
-    String,
-    Table,
-    Text,
-    text,
-)
+from sqlalchemy import MetaData, Table
 
-from ..db.names import fit_name, split_name
+from ..db.names import split_name
 from ..errors import ConfigurationError
+from . import columns, notify
 
-ID_LENGTH = 255
 SCHEMA_VERSION = 1
 """The layout of the tables this release reads and writes; ``install()`` records it per
 table in the version table, and a release that changes the layout raises it (see
 docs/migrations.md). Version 1: the tables as of the first release that records one."""
 VERSION_TABLE = "consumerdedup_schema"
-NOTIFY_PREFIX = "consumerdedup_"
-"""Of the PostgreSQL NOTIFY channels that wake outbox relays."""
-
-
-def utcnow() -> datetime:
-    """The time stamped in our tables' columns (timezone-aware, UTC)."""
-    return datetime.now(UTC)
-
-
-def _index_name(table: str, what: str) -> str:
-    return fit_name("ix_", table, what)
-
-
-# SQLite makes only an INTEGER PRIMARY KEY an alias of its rowid (auto-increment).
-_BIGINT_ID = BigInteger().with_variant(Integer(), "sqlite")
 
 
 @dataclass(frozen=True)
@@ -105,117 +75,29 @@ class Tables:
         processed_events). Every Deduplicator on the table must be told.
         """
         metadata = metadata if metadata is not None else MetaData()
-        pe_schema, pe_name = split_name(processed_events)
-        ob_schema, ob_name = split_name(outbox)
+        pe_schema = split_name(processed_events)[0]
         if idempotency_keys is None:
             idempotency_keys = f"{pe_schema}.idempotency_keys" if pe_schema else "idempotency_keys"
-        ik_schema, ik_name = split_name(idempotency_keys)
         if version_table is None:
             version_table = f"{pe_schema}.{VERSION_TABLE}" if pe_schema else VERSION_TABLE
-        vt_schema, vt_name = split_name(version_table)
-        if len({processed_events, outbox, idempotency_keys, version_table}) < 4:
+        names = (processed_events, outbox, idempotency_keys, version_table)
+        pe, ob, ik, vt = (split_name(name) for name in names)  # each a valid identifier
+        if len(set(names)) < 4:
             raise ConfigurationError(
                 f"the tables need four different names, not {processed_events!r}, "
                 f"{outbox!r}, {idempotency_keys!r} and {version_table!r}"
             )
-        for name in (processed_events, outbox, idempotency_keys, version_table):
+        for name in names:
             if name in metadata.tables:
                 raise ConfigurationError(f"table {name!r} is already defined on this MetaData")
         if not isinstance(partitioned, bool):
             raise ConfigurationError(f"partitioned must be a bool, not {partitioned!r}")
-        # A partitioned table's keys must include the partition key, processed_at.
-        partition_options: dict[str, Any] = {}
-        if partitioned:
-            partition_options["postgresql_partition_by"] = "RANGE (processed_at)"
-        pe = Table(
-            pe_name,
-            metadata,
-            Column("consumer", String(ID_LENGTH), primary_key=True),
-            Column("message_id", String(ID_LENGTH), primary_key=True),
-            Column(
-                "processed_at", DateTime(timezone=True), nullable=False, primary_key=partitioned
-            ),
-            Column("payload_hash", String(64), nullable=False),
-            Column("outcome", String(16), nullable=False),
-            # Why a FAILED message failed, so a redelivery is dead-lettered with the same reason.
-            Column("error", Text, nullable=True),
-            Index(_index_name(pe_name, "processed_at"), "processed_at"),
-            schema=pe_schema,
-            **partition_options,
-        )
-        ob = Table(
-            ob_name,
-            metadata,
-            Column("id", _BIGINT_ID, Identity(), primary_key=True),
-            Column("event_id", String(64), nullable=False, unique=True),
-            Column("destination", String(ID_LENGTH), nullable=False),
-            Column("key", String(ID_LENGTH), nullable=True),
-            Column("body", LargeBinary, nullable=False),
-            Column("headers", JSON, nullable=False),
-            Column("created_at", DateTime(timezone=True), nullable=False),
-            Column("attempts", Integer, nullable=False, server_default=text("0")),
-            Column("available_at", DateTime(timezone=True), nullable=False),
-            Column("published_at", DateTime(timezone=True), nullable=True),
-            Column("last_error", Text, nullable=True),
-            # Parked: failed max_attempts publishes, no relay tries it until replayed.
-            Column("parked_at", DateTime(timezone=True), nullable=True),
-            Column("parked_reason", Text, nullable=True),
-            # Abandoned by an operator: never published, holds no key back, pruned later.
-            Column("abandoned_at", DateTime(timezone=True), nullable=True),
-            Column("abandoned_by", String(ID_LENGTH), nullable=True),
-            Column("abandoned_reason", Text, nullable=True),
-            # The relay's scans: unpublished rows in id order, and the few failing ones by key.
-            Index(
-                _index_name(ob_name, "unpublished"),
-                "id",
-                postgresql_where=text("published_at IS NULL"),
-                sqlite_where=text("published_at IS NULL"),
-            ),
-            Index(
-                _index_name(ob_name, "failing"),
-                "key",
-                "id",
-                postgresql_where=text("published_at IS NULL AND attempts > 0"),
-                sqlite_where=text("published_at IS NULL AND attempts > 0"),
-            ),
-            Index(_index_name(ob_name, "published_at"), "published_at"),
-            schema=ob_schema,
-        )
-        ik = Table(
-            ik_name,
-            metadata,
-            # scope: principal digest + method + route (consumerdedup.http.flow.scope_of).
-            Column("scope", String(ID_LENGTH), primary_key=True),
-            Column("key", String(ID_LENGTH), primary_key=True),
-            Column("fingerprint", String(64), nullable=False),
-            Column("state", String(16), nullable=False),  # in_flight, completed, not_stored
-            # Who holds an in-flight claim, and until when (its lease): a dead worker's lapses.
-            Column("token", String(32), nullable=True),
-            Column("locked_until", DateTime(timezone=True), nullable=True),
-            Column("status", Integer, nullable=True),
-            Column("headers", JSON, nullable=True),
-            Column("body", LargeBinary, nullable=True),
-            Column("created_at", DateTime(timezone=True), nullable=False),
-            Column("expires_at", DateTime(timezone=True), nullable=True),
-            Index(_index_name(ik_name, "expires_at"), "expires_at"),
-            schema=ik_schema,
-        )
-        vt = Table(
-            vt_name,
-            metadata,
-            # A table's name as Tables spells it (schema-qualified when given), so the
-            # several table sets one database may hold each have their rows.
-            Column("table_name", String(2 * ID_LENGTH), primary_key=True),
-            Column("version", Integer, nullable=False),
-            Column("installed_at", DateTime(timezone=True), nullable=False),
-            schema=vt_schema,
-        )
         return cls(
             metadata=metadata,
-            processed_events=pe,
-            outbox=ob,
-            idempotency_keys=ik,
-            version_table=vt,
+            processed_events=columns.processed_events_table(metadata, *pe, partitioned=partitioned),
+            outbox=columns.outbox_table(metadata, *ob),
+            idempotency_keys=columns.idempotency_keys_table(metadata, *ik),
+            version_table=columns.version_table(metadata, *vt),
             partitioned=partitioned,
         )
 
@@ -231,67 +113,31 @@ class Tables:
 
     @property
     def notify_channel(self) -> str:
-        """The NOTIFY channel of triggers installed by earlier releases, named by how the
-        table was spelled (``public.outbox`` and ``outbox`` differed). Relays listen on it
-        too until ``install()`` replaces the trigger; now it is ``notify_channel_of(oid)``."""
-        return f"{NOTIFY_PREFIX}{self.outbox.fullname.replace('.', '_')}"[:63]
+        """The NOTIFY channel of triggers installed by earlier releases: relays listen on
+        it too until ``install()`` replaces the trigger; now it is ``notify_channel_of(oid)``."""
+        return notify.legacy_channel(self.outbox)
 
     @property
     def notify_names(self) -> tuple[str, str]:
-        """The outbox's NOTIFY trigger and its function, unquoted (the function in the
-        outbox's schema; in the current schema when the outbox has none)."""
-        name = f"{self.outbox.name}_notify"[:63]
-        return name, name
+        """The outbox's NOTIFY trigger and its function, unquoted."""
+        return notify.trigger_names(self.outbox)
 
     def notify_trigger_ddl(self) -> list[str]:
-        """PostgreSQL: a statement-level trigger that NOTIFYs relays on insert.
-
-        NOTIFY is delivered at commit, so a relay wakes exactly when new rows
-        become visible; a rolled-back insert wakes nobody. These statements replace
-        whatever is there (for a migration or ``--sql``); ``install()`` sends only
-        the ones that something missing or different needs.
-        """
-        return [self.notify_function_sql(), self.drop_trigger_sql(), self.create_trigger_sql()]
+        """PostgreSQL: the statement-level trigger that NOTIFYs relays on insert, replacing
+        whatever is there (schema.notify says why a statement-level trigger)."""
+        return notify.trigger_ddl(self.outbox)
 
     def notify_function_sql(self) -> str:
-        return (
-            f"CREATE OR REPLACE FUNCTION {self._function_sql()}() RETURNS trigger "
-            f"LANGUAGE plpgsql AS $${NOTIFY_BODY}$$"
-        )
+        return notify.function_sql(self.outbox)
 
     def drop_trigger_sql(self) -> str:
-        return f'DROP TRIGGER IF EXISTS "{self.notify_names[0]}" ON {self._outbox_sql()}'
+        return notify.drop_trigger_sql(self.outbox)
 
     def create_trigger_sql(self) -> str:
-        return (
-            f'CREATE TRIGGER "{self.notify_names[0]}" AFTER INSERT ON {self._outbox_sql()} '
-            f"FOR EACH STATEMENT EXECUTE FUNCTION {self._function_sql()}()"
-        )
+        return notify.create_trigger_sql(self.outbox)
 
     def drop_function_sql(self) -> str:
-        return f"DROP FUNCTION IF EXISTS {self._function_sql()}()"
-
-    def _outbox_sql(self) -> str:
-        table = self.outbox
-        return f'"{table.schema}"."{table.name}"' if table.schema else f'"{table.name}"'
-
-    def _function_sql(self) -> str:
-        function = self.notify_names[1]
-        return f'"{self.outbox.schema}"."{function}"' if self.outbox.schema else f'"{function}"'
-
-
-# By the table's OID, as the relay's locks: every spelling of one table (with or without
-# its schema) is one channel, and two outboxes are two. install() compares it with pg_proc.
-NOTIFY_BODY = (
-    f" BEGIN PERFORM pg_notify('{NOTIFY_PREFIX}' || TG_RELID::text, ''); RETURN NULL; END "
-)
-AFTER_INSERT_FOR_EACH_STATEMENT = 4
-"""pg_trigger.tgtype of our trigger: TRIGGER_TYPE_INSERT, neither ROW nor BEFORE."""
-
-
-def notify_channel_of(oid: int) -> str:
-    """The NOTIFY channel the outbox trigger wakes relays on: the table's OID, resolved."""
-    return f"{NOTIFY_PREFIX}{oid}"
+        return notify.drop_function_sql(self.outbox)
 
 
 DEFAULT = Tables.define()
