@@ -17,55 +17,25 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Engine
 
 from ..db import dialects, sqlite
-from ..errors import ConfigurationError, DestinationMissing, InvalidMessage
+from ..errors import ConfigurationError
 from ..lifecycle import StopSwitch
 from ..reasons import describe
-from ..retry import Backoff, ErrorKind, classify
 from ..schema import DEFAULT, Tables, utcnow
 from .listener import Listener
 from .publisher import AsyncPublisher, Publisher
+from .relay_config import RelayConfig
+from .rounds import RoundPublisher
 from .sending import Sender
 from .statements import RelayStatements
 
 logger = logging.getLogger("consumerdedup.relay")
 
-
-@dataclass(frozen=True)
-class RelayConfig:
-    """How much a round takes, how long an idle relay waits, how failures back off."""
-
-    batch_size: int = 100
-    poll_interval: timedelta = timedelta(seconds=1)
-    """Idle wait between rounds; on PostgreSQL a NOTIFY ends it as soon as a row commits."""
-    max_attempts: int = 10
-    """Failed publishes of one row before this relay parks it: ``parked_at`` is set on the
-    row, and no relay tries it again (whatever its own setting) until it is replayed
-    (consumerdedup.outbox.parked)."""
-    initial_backoff: timedelta = timedelta(milliseconds=200)
-    max_backoff: timedelta = timedelta(minutes=5)
-    delete_published: bool = False
-    """Delete rows once published instead of stamping published_at (the pruner cleans those)."""
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_attempts < 1:
-            raise ConfigurationError("batch_size and max_attempts must be >= 1")
-        backoff_ok = timedelta(0) <= self.initial_backoff <= self.max_backoff
-        if self.poll_interval <= timedelta(0) or not backoff_ok:
-            raise ConfigurationError(
-                "need poll_interval > 0 and 0 <= initial_backoff <= max_backoff"
-            )
-
-    def backoff(self, attempts: int) -> timedelta:
-        """Exponential in the row's failed attempts (or the relay's failed rounds), capped."""
-        backoff = Backoff(self.initial_backoff, self.max_backoff, jitter=False)
-        return timedelta(seconds=backoff.delay(attempts))
+__all__ = ["OutboxRelay", "RelayConfig"]
 
 
 class OutboxRelay(StopSwitch):
@@ -95,6 +65,7 @@ class OutboxRelay(StopSwitch):
         self.tables = tables
         self.config = config or RelayConfig()
         self.statements = RelayStatements(tables, engine.dialect.name)
+        self.rounds = RoundPublisher(self.sender, self.statements, self.config)
         self.published = 0
         self._idle = threading.Condition()
         self._rounds = 0
@@ -134,29 +105,11 @@ class OutboxRelay(StopSwitch):
         """Publish ``rows`` in order, then mark what became of them; returns the count sent."""
         if rows and not self._open_publisher():
             return 0  # the broker is away: nothing is charged, the round backs off
-        done: list[int] = []
-        failed: list[tuple[Any, BaseException]] = []
-        held_keys: set[str] = set()
-        for row in rows:
-            if row.key is not None and row.key in held_keys:
-                continue  # an older row of this key failed in this round: keep the order
-            error = self._publish(row)
-            if error is None:
-                done.append(row.id)
-            elif self._broker_trouble:
-                # The broker is away, not refusing this row: charge no attempt (a long
-                # outage must not park healthy events), end the round, back off.
-                logger.warning("broker unavailable: %s; backing off", describe(error))
-                break
-            else:
-                if row.key is not None:
-                    held_keys.add(row.key)
-                failed.append((row, error))
+        result = self.rounds.publish(rows)
+        self._broker_trouble = result.broker_away
         with nullcontext() if self.postgres else sqlite.transaction(conn):
-            for row, error in failed:
-                self._fail(conn, row, error)
-            self.statements.mark_published(conn, done, utcnow(), self.config.delete_published)
-        return len(done)
+            self.rounds.record(conn, result)
+        return len(result.done)
 
     def drain(self) -> int:
         """Publish everything that can go now; returns the count. For tests: no sleeping."""
@@ -266,63 +219,7 @@ class OutboxRelay(StopSwitch):
             ) from exc
         return True
 
-    def _publish(self, row: Any) -> BaseException | None:
-        try:
-            # Inside the handling: a row written by hand with malformed headers is that row's
-            # failure (and holds its key), never the round's.
-            headers = _headers(row)
-            self.sender.publish(row.destination, row.body, row.key, headers)
-        except ConfigurationError:
-            raise  # the publisher cannot (re)start: the relay's fault, never the event's
-        except Exception as exc:
-            if not isinstance(exc, DestinationMissing) and classify(exc) is ErrorKind.TRANSIENT:
-                self._broker_trouble = True  # the broker is away: end the round, back off
-            return exc
-        return None
-
-    def _fail(self, conn: Any, row: Any, error: BaseException) -> None:
-        attempts, now, text = row.attempts + 1, utcnow(), describe(error)
-        limit = self.config.max_attempts
-        self.statements.mark_failed(
-            conn,
-            row.id,
-            now + self.config.backoff(attempts),
-            text,
-            now=now,
-            max_attempts=limit,
-            reason=f"{attempts} failed publishes (max_attempts={limit}); last: {text}",
-        )
-        if attempts >= self.config.max_attempts:
-            logger.error(
-                "outbox event %s parked after %d failed publishes: %s",
-                row.event_id,
-                attempts,
-                text,
-            )
-        else:
-            logger.warning(
-                "publishing outbox event %s failed (attempt %d): %s",
-                row.event_id,
-                attempts,
-                text,
-            )
-
     def _round_done(self) -> None:
         with self._idle:
             self._rounds += 1
             self._idle.notify_all()
-
-
-def _headers(row: Any) -> dict[str, str]:
-    """The row's headers as the publisher takes them; InvalidMessage if the column holds
-    anything but a JSON object of strings (Outbox.add writes nothing else)."""
-    headers = row.headers if row.headers is not None else {}
-    if not isinstance(headers, dict) or not all(
-        isinstance(name, str) and isinstance(value, str) for name, value in headers.items()
-    ):
-        raise InvalidMessage(
-            f"outbox row {row.id}: headers must be a JSON object of strings, got "
-            f"{type(headers).__name__}"
-            + ("" if not isinstance(headers, dict) else " with other values")
-        )
-    return dict(headers)
