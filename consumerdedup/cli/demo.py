@@ -10,7 +10,8 @@ the stream carries a malformed message, an unknown account and a reused id.
 The report says what was sent, what the broker delivered, what the consumer
 did with each delivery, and what a consumer without deduplication would have
 credited; every group of counts adds up to its total. At the end every
-balance must be exactly the sum of the distinct payments.
+balance must be exactly the sum of the distinct payments. The stream and its
+faults are demo_scenario's, the report's words demo_report's; this module runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import random
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TextIO
@@ -32,24 +32,21 @@ from sqlalchemy.orm import Session
 
 from ..dedup.deduplicator import DedupHandler, Deduplicator
 from ..errors import PermanentError, SimulatedCrash
-from ..headers import REASON_HEADER
 from ..message import Message
 from ..outbox.outbox import Outbox
 from ..outbox.relay import OutboxRelay
 from ..outcome import Outcome
 from ..schema import install
 from ..testing import MemoryBroker, MemoryConfig, MemoryConsumerRunner
+from .demo_report import Stage, check, events_lines, payments_lines, without_dedup_lines
 from .demo_scenario import (
     ACCOUNTS,
-    BAD,
     CRASHES,
     EVENTS,
     PAYMENTS,
     QUEUE,
     RELAY_DIES_AFTER,
-    REUSED_AMOUNT,
     DiesOnce,
-    Sent,
     WithoutDedup,
     is_offset,
     publish,
@@ -78,16 +75,6 @@ def play(out: TextIO) -> int:
             return _run(Path(folder) / "demo.db", out)
     finally:
         log.setLevel(level)
-
-
-@dataclass
-class _Stage:
-    """The broker's counters over one consumer's run, and what the consumer decided."""
-
-    deliveries: int
-    again: int
-    outcomes: Counter[Outcome]
-    restarts: int
 
 
 def _run(path: Path, out: TextIO) -> int:
@@ -141,11 +128,11 @@ def _run(path: Path, out: TextIO) -> int:
     balances, events, notified = _read(engine)
     lines = [
         "consumerdedup demo: a payments consumer on SQLite and an in-memory broker, under fire",
-        *_report_payments(sent, payments, dead_letters),
-        *_report_without(naive, sent, payments),
-        *_report_events(events, relayed, downstream),
+        *payments_lines(sent, payments, dead_letters),
+        *without_dedup_lines(naive, sent, payments),
+        *events_lines(events, relayed, downstream),
     ]
-    failures = _check(sent.expected, balances, payments.outcomes, downstream.outcomes, notified)
+    failures = check(sent.expected, balances, payments.outcomes, downstream.outcomes, notified)
     lines += [f"FAIL: {failure}" for failure in failures] or [
         f"OK: all {len(ACCOUNTS)} account balances are exact (total "
         f"{sum(balances.values()):,}): every payment applied exactly once",
@@ -166,87 +153,7 @@ def _read(engine: Engine) -> tuple[dict[str, int], int, int]:
     return balances, events, notified
 
 
-def _report_payments(sent: Sent, stage: _Stage, dead_letters: list[Message]) -> list[str]:
-    done = stage.outcomes
-    return [
-        "",
-        f"The producer sent {PAYMENTS + sent.retried + len(BAD):,} messages to {QUEUE!r}:",
-        f"  {PAYMENTS:>6,}  payments, each crediting one of {len(ACCOUNTS)} accounts",
-        f"  {sent.retried:>6,}  of them sent a second time (the producer retried after a timeout)",
-        f"  {len(BAD):>6,}  bad messages: malformed JSON, an unknown account, a reused id",
-        "",
-        f"The broker made {stage.deliveries:,} deliveries:",
-        f"  {stage.deliveries - stage.again:>6,}  first deliveries, one per message",
-        f"  {stage.again:>6,}  deliveries again, as after a lost ack or a rebalance, and after",
-        f"          {stage.restarts} crashes of the consumer between commit and ack "
-        "(restarted each time)",
-        "",
-        f"consumerdedup decided each of the {stage.deliveries:,} deliveries:",
-        f"  {done[Outcome.PROCESSED]:>6,}  processed: the credit committed, once per payment",
-        f"  {done[Outcome.DUPLICATE]:>6,}  duplicates: already processed, the handler did not run",
-        f"  {done[Outcome.FAILED]:>6,}  failed: recorded, and dead-lettered with the reason:",
-        *(f"            {m.id}: {_short(m.headers.get(REASON_HEADER))}" for m in dead_letters),
-    ]
-
-
-def _report_without(naive: WithoutDedup, sent: Sent, stage: _Stage) -> list[str]:
-    credits = naive.credits
-    wrong = sum(naive.balances[a] != sent.expected[a] for a in ACCOUNTS)
-    return [
-        "",
-        f"Without deduplication, the same handler on the same {stage.deliveries:,} deliveries "
-        "would have",
-        f"applied {credits.total():,} credits for {PAYMENTS:,} payments:",
-        f"  {credits[Outcome.PROCESSED]:>6,}  credits, one per payment",
-        f"  {credits[Outcome.DUPLICATE]:>6,}  credits applied again, one per duplicate delivery",
-        f"  {credits[Outcome.FAILED]:>6,}  credit of {REUSED_AMOUNT:,} to ACC-001 "
-        "under the reused id",
-        f"It would have credited {naive.balances.total():,} in all instead of "
-        f"{sum(sent.expected.values()):,}: {wrong} of {len(ACCOUNTS)} balances wrong.",
-    ]
-
-
-def _report_events(events: int, relayed: int, stage: _Stage) -> list[str]:
-    done = stage.outcomes
-    return [
-        "",
-        f"Each credit wrote an event to the outbox in its own transaction: {events:,} events.",
-        f"The relay sent {relayed:,}: it was killed once after the broker confirmed "
-        f"{RELAY_DIES_AFTER} events,",
-        f"before marking them sent, so those {relayed - events} went twice: the relay publishes "
-        "at least once.",
-        f"The downstream consumer got {stage.deliveries:,} deliveries "
-        f"({stage.deliveries - stage.again:,} first, {stage.again:,} again) and decided:",
-        f"  {done[Outcome.PROCESSED]:>6,}  notifications sent",
-        f"  {done[Outcome.DUPLICATE]:>6,}  duplicates: already notified, the handler did not run",
-        "",
-    ]
-
-
-def _short(reason: str | None, width: int = 64) -> str:
-    reason = reason or ""
-    return reason if len(reason) <= width else reason[: width - 3] + "..."
-
-
-def _check(
-    expected: dict[str, int],
-    balances: dict[str, int],
-    outcomes: Counter[Outcome],
-    downstream: Counter[Outcome],
-    notified: int,
-) -> list[str]:
-    failures = []
-    wrong = {a: (balances[a], expected[a]) for a in ACCOUNTS if balances[a] != expected[a]}
-    if wrong:
-        failures.append(f"{len(wrong)} balances are wrong (actual, expected): {wrong}")
-    if outcomes[Outcome.PROCESSED] != PAYMENTS:
-        failures.append(f"{outcomes[Outcome.PROCESSED]} payments processed, not {PAYMENTS}")
-    if notified != PAYMENTS or downstream[Outcome.PROCESSED] != PAYMENTS:
-        failures.append(f"{notified} notifications for {PAYMENTS} credits")
-    return failures
-
-
-def _stage(broker: MemoryBroker, queue: str, handler: DedupHandler) -> _Stage:
+def _stage(broker: MemoryBroker, queue: str, handler: DedupHandler) -> Stage:
     """Run consumers until the queue is empty, restarting each one that crashes."""
     delivered, again = broker.delivered, broker.redelivered
     restarts = 0
@@ -263,7 +170,7 @@ def _stage(broker: MemoryBroker, queue: str, handler: DedupHandler) -> _Stage:
         finally:
             outcomes.update(runner.outcomes)
         break
-    return _Stage(
+    return Stage(
         deliveries=broker.delivered - delivered,
         again=broker.redelivered - again,
         outcomes=outcomes,

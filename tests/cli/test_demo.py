@@ -13,6 +13,7 @@ import re
 import pytest
 
 from consumerdedup.cli import demo
+from consumerdedup.cli.demo_scenario import BAD, CRASHES, PAYMENTS
 
 
 def number(pattern: str, text: str) -> int:
@@ -36,7 +37,7 @@ def test_what_was_sent_adds_up(report: str) -> None:
     payments = number(rf"\n +{N}  payments, each", report)
     retried = number(rf"\n +{N}  of them sent a second time", report)
     bad = number(rf"\n +{N}  bad messages", report)
-    assert payments == demo.PAYMENTS and retried > 0 and bad == 3
+    assert payments == PAYMENTS and retried > 0 and bad == 3
     assert sent == payments + retried + bad
 
 
@@ -51,10 +52,10 @@ def test_deliveries_add_up_and_each_has_one_outcome(report: str) -> None:
     processed = number(rf"\n +{N}  processed: the credit", report)
     duplicates = number(rf"\n +{N}  duplicates: already processed", report)
     failed = number(rf"\n +{N}  failed: recorded", report)
-    assert processed == demo.PAYMENTS and duplicates > 0 and failed == 3
+    assert processed == PAYMENTS and duplicates > 0 and failed == 3
     assert deliveries == processed + duplicates + failed
-    assert number(rf"after\s+{N} crashes", report) == demo.CRASHES
-    for message_id in demo.BAD:
+    assert number(rf"after\s+{N} crashes", report) == CRASHES
+    for message_id in BAD:
         assert f"{message_id}: " in report
 
 
@@ -67,7 +68,7 @@ def test_without_dedup_the_extra_credits_are_the_duplicates(report: str) -> None
     reused = number(rf"\n +{N}  credit of 1,000,000", report)
     assert number(rf"the same {N} deliveries", report) == deliveries
     assert naive == once + again + reused
-    assert once == demo.PAYMENTS and again == duplicates and reused == 1
+    assert once == PAYMENTS and again == duplicates and reused == 1
     # Only the malformed body and the unknown account give it nothing to credit.
     assert naive == deliveries - 2
     exact = number(rf"instead of {N}", report)
@@ -79,12 +80,12 @@ def test_events_add_up(report: str) -> None:
     events = number(rf"in its own transaction: {N} events", report)
     relayed = number(rf"The relay sent {N}", report)
     twice = number(rf"so those {N} went twice", report)
-    assert events == demo.PAYMENTS and relayed == events + twice and twice > 0
+    assert events == PAYMENTS and relayed == events + twice and twice > 0
     deliveries = number(rf"downstream consumer got {N} deliveries", report)
     first = number(rf"\({N} first", report)
     again = number(rf"first, {N} again\)", report)
     assert first == relayed and deliveries == first + again
     sent = number(rf"\n +{N}  notifications sent", report)
     duplicates = number(rf"\n +{N}  duplicates: already notified", report)
-    assert sent == demo.PAYMENTS and deliveries == sent + duplicates
+    assert sent == PAYMENTS and deliveries == sent + duplicates
     assert number(rf"OK: {N} notifications for", report) == sent
