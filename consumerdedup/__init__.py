@@ -4,11 +4,12 @@ A handler wrapped by a Deduplicator runs check -> BEGIN -> handle -> INSERT
 processed_events -> COMMIT, and the broker is acked only after COMMIT.
 """
 
-from .dedup.async_deduplicator import AsyncDedupHandler, AsyncDeduplicator
-from .dedup.deduplicator import DedupHandler, Deduplicator
+from .dedup.async_deduplicator import AsyncBulkDedupHandler, AsyncDedupHandler, AsyncDeduplicator
+from .dedup.deduplicator import BulkDedupHandler, DedupHandler, Deduplicator
 from .dedup.settings import DeadLetterFailed
 from .errors import (
     AuthenticationFailed,
+    BatchMessageFailed,
     BrokerUnavailable,
     CommitInHandler,
     ConfigurationError,
@@ -37,11 +38,14 @@ from .schema import Tables, install
 
 __all__ = [
     "MAX_ID_LENGTH",
+    "AsyncBulkDedupHandler",
     "AsyncDedupHandler",
     "AsyncDeduplicator",
     "AsyncPublisher",
     "AuthenticationFailed",
+    "BatchMessageFailed",
     "BrokerUnavailable",
+    "BulkDedupHandler",
     "CommitInHandler",
     "ConfigurationError",
     "ConsumerDedupError",

@@ -15,6 +15,7 @@ Every class here, drawn by what it derives from::
           +-- RetryLater ........... control flow: roll back, deliver again, record nothing
           |    +-- HeldBack ........ ordered: not tried, a message ahead will come again
           +-- TransactionBroken .... the handler broke our transaction; classified by its cause
+          +-- BatchMessageFailed ... a bulk handler names the message that failed, and why
           +-- BrokerUnavailable .... cannot reach the broker (also a ConnectionError)
           +-- DestinationMissing ... the broker says the destination does not exist
     BaseException
@@ -100,6 +101,26 @@ class TransactionBroken(ConsumerDedupError):
     def __init__(self, text: str, cause: BaseException | None = None) -> None:
         super().__init__(text)
         self.cause = cause
+
+
+class BatchMessageFailed(ConsumerDedupError):
+    """Raised by a bulk handler to name the message that failed (like Spring Kafka's
+    ``BatchListenerFailedException``): only it fails, by ``cause``'s kind, with no bisection.
+
+    ``message`` is the Message itself, its id, or its index in the list the handler was
+    given. A message the batch does not hold names nothing: the batch is bisected.
+    """
+
+    def __init__(self, message: object, cause: BaseException | None = None) -> None:
+        where = (
+            f"index {message}"
+            if isinstance(message, int)
+            else repr(getattr(message, "id", message))
+        )
+        super().__init__(f"bulk handler failed at {where}" + (f": {cause!r:.200}" if cause else ""))
+        self.message = message
+        self.cause = cause
+        self.__cause__ = cause
 
 
 class CommitInHandler(PermanentError):

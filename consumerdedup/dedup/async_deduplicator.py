@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, overload
@@ -20,6 +21,7 @@ from .handler_kinds import check_awaitable, check_awaited, require_async
 from .ops import (
     Attempt,
     AttemptReport,
+    CallBulk,
     CallHandler,
     Commit,
     Execute,
@@ -32,6 +34,7 @@ from .settings import Observer, OutcomeReporter
 from .states import Batch
 
 AsyncHandlerFn = Callable[[Message, AsyncSession], Awaitable[Any]]
+AsyncBulkHandlerFn = Callable[[list[Message], AsyncSession], Awaitable[Any]]
 
 
 class AsyncDeduplicator(OutcomeReporter):
@@ -80,6 +83,20 @@ class AsyncDeduplicator(OutcomeReporter):
         if fn is not None:
             return AsyncDedupHandler(self, fn, claim_first)
         return lambda f: AsyncDedupHandler(self, f, claim_first)
+
+    @overload
+    def bulk_handler(self, fn: AsyncBulkHandlerFn, /) -> AsyncBulkDedupHandler: ...
+    @overload
+    def bulk_handler(
+        self, fn: None = None, /
+    ) -> Callable[[AsyncBulkHandlerFn], AsyncBulkDedupHandler]: ...
+    def bulk_handler(
+        self, fn: AsyncBulkHandlerFn | None = None, /
+    ) -> AsyncBulkDedupHandler | Callable[[AsyncBulkHandlerFn], AsyncBulkDedupHandler]:
+        """Wrap ``async fn(messages, session)``: ``Deduplicator.bulk_handler`` for asyncio."""
+        if fn is not None:
+            return AsyncBulkDedupHandler(self, fn)
+        return lambda f: AsyncBulkDedupHandler(self, f)
 
 
 class AsyncDedupHandler:
@@ -183,3 +200,42 @@ class AsyncDedupHandler:
                 result = self.dedup._dead_letter_failed(result, exc)
         self.dedup._account(result)
         return result
+
+
+class AsyncBulkDedupHandler(AsyncDedupHandler):
+    """What ``AsyncDeduplicator.bulk_handler`` returns: ``BulkDedupHandler``, awaited."""
+
+    def __init__(self, dedup: AsyncDeduplicator, fn: AsyncBulkHandlerFn) -> None:
+        require_async(fn)
+        super().__init__(dedup, functools.partial(_one_message, fn), claim_first=True)
+        self.bulk_fn = fn
+        self._pipeline = dedup._bulk_pipeline()
+        self.__wrapped__ = fn  # type: ignore[assignment]  # the bulk function, not the adapter
+        self.__doc__ = fn.__doc__
+
+    async def _carry_out(self, op: Op, session: AsyncSession) -> Any:
+        if isinstance(op, CallBulk):
+            return await self._call_bulk(list(op.messages), session)
+        return await super()._carry_out(op, session)
+
+    async def _call_bulk(self, messages: list[Message], session: AsyncSession) -> None:
+        """``_call``'s guard around the one call of the bulk function."""
+        connection = (await session.connection()).sync_connection
+        assert connection is not None, "an AsyncConnection in a transaction has its connection"
+        call = HandlerCall(session.sync_session, connection)
+        try:
+            with handler_code():
+                returned = self.bulk_fn(messages, session)
+            check_awaitable(self.bulk_fn, returned)  # outside handler_code: a setup fault
+            with handler_code():
+                result = await returned
+            check_awaited(self.bulk_fn, result)
+            with handler_code():
+                await session.flush()  # a pending ORM write fails now, inside the bisected call
+        finally:
+            call.finish()
+        call.verify()
+
+
+async def _one_message(fn: AsyncBulkHandlerFn, message: Message, session: AsyncSession) -> Any:
+    return await fn([message], session)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
@@ -22,6 +23,7 @@ from .handler_kinds import check_returned, require_blocking
 from .ops import (
     Attempt,
     AttemptReport,
+    CallBulk,
     CallHandler,
     Commit,
     Execute,
@@ -34,6 +36,7 @@ from .settings import Observer, OutcomeReporter
 from .states import Batch
 
 HandlerFn = Callable[[Message, Session], Any]
+BulkHandlerFn = Callable[[list[Message], Session], Any]
 _MAY_PASS = (
     sa_exc.DBAPIError,
     sa_exc.TimeoutError,
@@ -91,6 +94,19 @@ class Deduplicator(OutcomeReporter):
         if fn is not None:
             return DedupHandler(self, fn, claim_first)
         return lambda f: DedupHandler(self, f, claim_first)
+
+    @overload
+    def bulk_handler(self, fn: BulkHandlerFn, /) -> BulkDedupHandler: ...
+    @overload
+    def bulk_handler(self, fn: None = None, /) -> Callable[[BulkHandlerFn], BulkDedupHandler]: ...
+    def bulk_handler(
+        self, fn: BulkHandlerFn | None = None, /
+    ) -> BulkDedupHandler | Callable[[BulkHandlerFn], BulkDedupHandler]:
+        """Wrap ``fn(messages, session)``: called once per transaction with its new messages
+        (claimed by one multi-row claim; duplicates and twins left out), in delivery order."""
+        if fn is not None:
+            return BulkDedupHandler(self, fn)
+        return lambda f: BulkDedupHandler(self, f)
 
 
 class DedupHandler:
@@ -185,6 +201,42 @@ class DedupHandler:
                 result = self.dedup._dead_letter_failed(result, exc)
         self.dedup._account(result)
         return result
+
+
+class BulkDedupHandler(DedupHandler):
+    """What ``@dedup.bulk_handler`` returns: a DedupHandler (every runner takes it) whose
+    function is called once per transaction with that transaction's new messages; a failure
+    is charged to the message the handler names, else bisected (dedup/bulk.py)."""
+
+    def __init__(self, dedup: Deduplicator, fn: BulkHandlerFn) -> None:
+        require_blocking(fn)
+        super().__init__(dedup, functools.partial(_one_message, fn), claim_first=True)
+        self.bulk_fn = fn
+        self._pipeline = dedup._bulk_pipeline()
+        self.__wrapped__ = fn  # type: ignore[assignment]  # the bulk function, not the adapter
+        self.__doc__ = fn.__doc__
+
+    def _carry_out(self, op: Op, session: Session) -> Any:
+        if isinstance(op, CallBulk):
+            return self._call_bulk(list(op.messages), session)
+        return super()._carry_out(op, session)
+
+    def _call_bulk(self, messages: list[Message], session: Session) -> None:
+        """``_call``'s guard around the one call of the bulk function."""
+        call = HandlerCall(session, session.connection())
+        try:
+            with handler_code():
+                returned = self.bulk_fn(messages, session)
+            check_returned(self.bulk_fn, returned)  # outside handler_code: a setup fault
+            with handler_code():
+                session.flush()  # a pending ORM write fails now, inside the bisected call
+        finally:
+            call.finish()
+        call.verify()
+
+
+def _one_message(fn: BulkHandlerFn, message: Message, session: Session) -> Any:
+    return fn([message], session)
 
 
 def begin_checked(session: Session, what: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import ConfigurationError, PermanentError
 from ..reasons import describe
 from ..retry import too_big
-from .ops import CallHandler, Execute, HandlerRaised, Op
+from .ops import CallBulk, CallHandler, Execute, HandlerRaised, Op
 from .statements import Statements
 
 
@@ -83,7 +83,9 @@ def _meaning(op: Op, exc: Exception, after_handlers: bool) -> Exception:
         return TransactionFailed(refused)
     if setup is not None:
         return setup  # the driver's own check of the handler, or our statements' setup
-    if isinstance(op, CallHandler):  # the handler broke the transaction (TransactionBroken)
+    if isinstance(
+        op, CallHandler | CallBulk
+    ):  # the handler broke the transaction (TransactionBroken)
         return HandlerFailed(exc)
     if isinstance(op, Execute) and too_big(exc):
         return TransactionFailed(StatementRefused(exc))

@@ -36,6 +36,14 @@ class CallHandler:
     message: Message
 
 
+@dataclass(frozen=True, slots=True)
+class CallBulk:
+    """Call a bulk handler once with the messages, in order, and the session: checked
+    like CallHandler; a failure names no message unless the handler says which."""
+
+    messages: tuple[Message, ...]
+
+
 class HandlerRaised(Exception):
     """What the user's code raised, as the driver throws it in at CallHandler.
 
@@ -77,5 +85,5 @@ class AttemptReport:
     span's innocent part or halves it."""
 
 
-Op = Execute | CallHandler | Commit | Rollback
+Op = Execute | CallHandler | CallBulk | Commit | Rollback
 Attempt = Generator[Op, Any, AttemptReport]

@@ -16,6 +16,7 @@ from ..outcome import Outcome, Result
 from ..reasons import describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
+from .bulk import BulkPipeline
 from .pipeline import Pipeline
 from .statements import Statements
 
@@ -56,6 +57,9 @@ class OutcomeReporter:
 
     def _pipeline(self, claim_first: bool) -> Pipeline:
         return Pipeline(self._statements, self.consumer, self.retry, claim_first)
+
+    def _bulk_pipeline(self) -> BulkPipeline:
+        return BulkPipeline(self._statements, self.consumer, self.retry)
 
     def _dead_letter_failed(self, result: Result, exc: Exception) -> Result:
         """The dead-letter hook raised for ``result``: RETRY instead, so it is not acked."""
