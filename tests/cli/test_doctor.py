@@ -26,7 +26,11 @@ from tests.conftest import Database
 from tests.support.kafka_service import KafkaService, kafka_fixture  # noqa: F401
 from tests.support.rabbitmq_service import amqp_url_fixture  # noqa: F401
 
-NOW = datetime.now(UTC)
+
+def ago(age: timedelta) -> datetime:
+    """``age`` before now, read when the row is written: a time taken at import would age
+    with the run (after 5 minutes of other tests a 1-second-old event was stale)."""
+    return datetime.now(UTC) - age
 
 
 def doctor(db: Database, capsys: pytest.CaptureFixture[str], *args: str, url: str = "") -> Any:
@@ -57,13 +61,13 @@ def record(db: Database, consumer: str, age: timedelta) -> None:
     pe = db.tables.processed_events
     row = {"consumer": consumer, "message_id": uuid.uuid4().hex, "payload_hash": "h"}
     with db.engine.begin() as conn:
-        conn.execute(insert(pe).values(**row, processed_at=NOW - age, outcome="PROCESSED"))
+        conn.execute(insert(pe).values(**row, processed_at=ago(age), outcome="PROCESSED"))
 
 
 def event(db: Database, age: timedelta, **extra: Any) -> None:
     values: dict[str, Any] = {"event_id": uuid.uuid4().hex, "destination": "d", "body": b"x"}
     values["headers"] = {}
-    values |= {"created_at": NOW - age, "available_at": NOW - age, **extra}
+    values |= {"created_at": ago(age), "available_at": ago(age), **extra}
     with db.engine.begin() as conn:
         conn.execute(insert(db.tables.outbox).values(**values))
 
@@ -157,7 +161,7 @@ def test_records_past_their_window_fail(db: Database, capsys: pytest.CaptureFixt
 
 def test_parked_and_stale_events_fail(db: Database, capsys: pytest.CaptureFixture[str]) -> None:
     event(db, timedelta(hours=2))
-    event(db, timedelta(hours=1), attempts=10, parked_at=NOW, last_error="boom")
+    event(db, timedelta(hours=1), attempts=10, parked_at=ago(timedelta(0)), last_error="boom")
     code, out = doctor(db, capsys)
     assert code == 1
     assert "1 event(s) waiting" in line(out, "outbox backlog") and "over 5m" in out
