@@ -64,9 +64,11 @@ def ledger_handler(
     *,
     asyncio: bool,
     async_engine: AsyncEngine | None = None,
+    bulk: bool = False,
 ) -> DedupHandler | AsyncDedupHandler:
     """The scenarios' handler, of a Deduplicator or of an AsyncDeduplicator (on
-    ``async_engine``, else on an engine without a pool, which no event loop owns)."""
+    ``async_engine``, else on an engine without a pool, which no event loop owns).
+    ``bulk``: a bulk handler, one call per transaction running every message's SQL."""
     if not asyncio:
         dedup = Deduplicator(
             db.engine,
@@ -75,6 +77,15 @@ def ledger_handler(
             retry=QUICK_RETRY,
             dead_letter=told.append,
         )
+        if bulk:
+
+            @dedup.bulk_handler
+            def handle_bulk(messages: list[Message], session: Any) -> None:
+                for message in messages:
+                    for sql, params in behavior(message):
+                        session.execute(text(sql), params)
+
+            return handle_bulk
 
         @dedup.handler
         def handle(message: Message, session: Any) -> None:
@@ -86,6 +97,15 @@ def ledger_handler(
     async_dedup = AsyncDeduplicator(
         engine, consumer="ledger", tables=db.tables, retry=QUICK_RETRY, dead_letter=told.append
     )
+    if bulk:
+
+        @async_dedup.bulk_handler
+        async def handle_bulk_async(messages: list[Message], session: Any) -> None:
+            for message in messages:
+                for sql, params in behavior(message):
+                    await session.execute(text(sql), params)
+
+        return handle_bulk_async
 
     @async_dedup.handler
     async def handle_async(message: Message, session: Any) -> None:
@@ -150,12 +170,14 @@ class RunnerHarness:
         batch_size: int = 1,
         crash_after_commit: bool = False,
         asyncio: bool | None = None,
+        bulk: bool = False,
     ) -> None:
         """Run a fresh runner until the source is drained; a crash raises SimulatedCrash.
         ``asyncio``: an AsyncDeduplicator's handler (True) or a Deduplicator's (False);
-        None: the kind the broker's example uses."""
+        None: the kind the broker's example uses. ``bulk``: a bulk handler."""
         before_ack = crash if crash_after_commit else None
-        done = self._fresh(behavior, batch_size, before_ack, asyncio).run(until_idle=True)
+        runner = self._fresh(behavior, batch_size, before_ack, asyncio, bulk)
+        done = runner.run(until_idle=True)
         if inspect.iscoroutine(done):
             self.call(done)
 
@@ -181,11 +203,16 @@ class RunnerHarness:
         return stop
 
     def _fresh(
-        self, behavior: Behavior, batch_size: int, before_ack: BeforeAck | None, kind: bool | None
+        self,
+        behavior: Behavior,
+        batch_size: int,
+        before_ack: BeforeAck | None,
+        kind: bool | None,
+        bulk: bool = False,
     ) -> Runner:
         asyncio = self.asyncio_by_default if kind is None else kind
         handler = ledger_handler(
-            self.db, behavior, self.told, asyncio=asyncio, async_engine=self.async_engine
+            self.db, behavior, self.told, asyncio=asyncio, async_engine=self.async_engine, bulk=bulk
         )
         return self.runner(handler, batch_size=batch_size, before_ack=before_ack)
 

@@ -226,3 +226,45 @@ class RunnerContract:
         else:
             assert sorted(handled) == ids
         assert harness.held() == 0
+
+    # Bulk handlers (issue 20 item 1): the same promises, one handler call per transaction.
+
+    def test_a_bulk_handler_applies_each_message_once(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        for mid in ("m-1", "m-2", "m-1", "m-3"):
+            harness.publish(mid, body(1))
+        size = 4 if harness.capabilities.batches else 1
+        harness.consume(ledger.behavior, batch_size=size, bulk=True)
+        assert sorted(ledger.applied()) == ["m-1", "m-2", "m-3"]
+        harness.publish("m-2", body(1))  # a redelivery after the batch committed
+        harness.consume(ledger.behavior, batch_size=size, bulk=True, asyncio=True)
+        assert sorted(ledger.applied()) == ["m-1", "m-2", "m-3"]
+        assert harness.held() == 0
+
+    def test_a_bulk_handlers_poison_fails_alone(self, harness: Harness, ledger: Ledger) -> None:
+        ids = [f"m-{i}" for i in range(6)]
+        for mid in ids:
+            harness.publish(mid, body(1, fail="permanent" if mid == "m-3" else None))
+        harness.consume(
+            ledger.behavior, batch_size=6 if harness.capabilities.batches else 1, bulk=True
+        )
+        assert sorted(ledger.applied()) == [mid for mid in ids if mid != "m-3"]
+        [(dead_id, reason)] = harness.dead_letters()
+        assert dead_id == "m-3" and "poison: refused by the handler" in reason
+        assert harness.held() == 0
+
+    def test_a_bulk_handlers_retry_comes_back_and_order_holds(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        ids = [f"m-{i:02d}" for i in range(10)]
+        for mid in ids:
+            harness.publish(mid, body(1, retry_times=3 if mid == "m-04" else 0))
+        harness.consume(
+            ledger.behavior, batch_size=5 if harness.capabilities.batches else 1, bulk=True
+        )
+        assert sorted(ledger.applied()) == ids
+        if harness.capabilities.retry_keeps_order:
+            assert ledger.applied() == ids  # nothing behind m-04 committed before it
+        assert harness.held() == 0
+        assert harness.dead_letters() == []
