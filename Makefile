@@ -36,6 +36,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pipeline.py
+	$(BIN)/python bench/bench_bulk.py
 	$(BIN)/python bench/bench_rabbitmq.py
 	$(BIN)/python bench/bench_kafka.py
 	$(BIN)/python bench/bench_relay.py
