@@ -271,7 +271,7 @@ def main() -> None:
     print_table("Bulk handlers, PostgreSQL, msg/s", list(series.values()), plain, "vs plain")
     bulk, batch = series["bulk handler, 500"], series[".batch(500), per-message handler"]
     print_pairs(
-        "Targets (ratio of medians, same run)",
+        "Like with like: targets (ratio of medians, same run)",
         [
             (f"bulk / plain psycopg (target >= {PLAIN_TARGET}x)", bulk, plain),
             (f"bulk / .batch(500) (target >= {BATCH_TARGET}x)", bulk, batch),

@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 # What each bench must print besides its conditions: its like-with-like comparison.
 EXPECTED = {
     "bench_pipeline.py": "Like with like",
+    "bench_bulk.py": "Like with like",
     "bench_rabbitmq.py": "Like with like",
     "bench_kafka.py": "Like with like",
     "bench_relay.py": "Relay / plain",
