@@ -1,21 +1,43 @@
-"""Outcome counters and log lines: what a consumer did, readable without a debugger."""
+"""Outcome counters and log lines: what a consumer did, readable without a debugger.
+
+One line per final Result on the ``consumerdedup`` logger: PROCESSED at DEBUG,
+DUPLICATE at DEBUG (``log_duplicates_at(logging.INFO)`` to see them), RETRY at
+WARNING, FAILED at ERROR with the exception's traceback. The traceback is
+scrubbed like a reason: its frames (file, line, function, source line) and each
+exception of the chain as ``describe`` says it, never str() of a driver's error
+(SQLAlchemy's carries the bound parameters), never frame locals or notes.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Mapping
 
 from .outcome import Outcome, Result
+from .reasons import describe
 
 logger = logging.getLogger("consumerdedup")
 
 _LEVELS = {
     Outcome.PROCESSED: logging.DEBUG,
-    Outcome.DUPLICATE: logging.INFO,
+    Outcome.DUPLICATE: logging.DEBUG,
     Outcome.RETRY: logging.WARNING,
     Outcome.FAILED: logging.ERROR,
 }
+_CHAIN_LIMIT = 8
+"""Exceptions of a chain shown at most (a cause's cause ...): a log line stays a log line."""
+_CAUSE = "The above exception was the direct cause of the following exception:"
+_CONTEXT = "During handling of the above exception, another exception occurred:"
+
+
+def log_duplicates_at(level: int) -> None:
+    """The level of the DUPLICATE lines (DEBUG by default: a redelivery storm is no news;
+    INFO to see each one). Process-wide, as logging's own levels are."""
+    if level not in (logging.DEBUG, logging.INFO):
+        raise ValueError("DUPLICATE lines go at logging.DEBUG or logging.INFO")
+    _LEVELS[Outcome.DUPLICATE] = level
 
 
 class OutcomeCounts:
@@ -41,20 +63,50 @@ class OutcomeCounts:
         return f"OutcomeCounts({totals})"
 
 
+def scrubbed_traceback(error: BaseException) -> str:
+    """``error``'s traceback as Python prints it, each exception's text replaced by its
+    ``describe`` line: where it happened, never the data it carried."""
+    chain: list[tuple[BaseException, str]] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    joint = ""
+    while current is not None and id(current) not in seen and len(chain) < _CHAIN_LIMIT:
+        seen.add(id(current))
+        chain.append((current, joint))
+        if current.__cause__ is not None:
+            current, joint = current.__cause__, _CAUSE
+        elif current.__context__ is not None and not current.__suppress_context__:
+            current, joint = current.__context__, _CONTEXT
+        else:
+            current = None
+    parts: list[str] = []
+    for exc, joint in reversed(chain):
+        frames = traceback.extract_tb(exc.__traceback__)
+        block = "Traceback (most recent call last):\n" + "".join(frames.format())
+        parts.append(block + describe(exc) + "\n")
+        if joint:
+            parts.append(f"\n{joint}\n\n")
+    return "".join(parts).rstrip("\n")
+
+
 def log_result(consumer: str, result: Result) -> None:
     level = _LEVELS[result.outcome]
     if not logger.isEnabledFor(level):
         return
     message = result.message
+    trace = ""
+    if result.outcome is Outcome.FAILED and result.error is not None:
+        trace = "\n" + scrubbed_traceback(result.error)
     logger.log(
         level,
-        "consumer=%s key=%r outcome=%s source=%s attempts=%d%s",
+        "consumer=%s message_id=%r outcome=%s source=%s attempts=%d%s%s",
         consumer,
         message.id,
         result.outcome.value,
         message.source or "-",
         result.attempts,
         f" reason={result.reason}" if result.reason else "",
+        trace,
         extra={
             "consumer": consumer,
             "message_id": message.id,

@@ -200,7 +200,7 @@ def ours(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [record for record in caplog.records if record.name == "consumerdedup"]
 
 
-def test_log_lines_name_consumer_key_and_outcome_at_matching_levels(
+def test_log_lines_name_consumer_message_id_and_outcome_at_matching_levels(
     db: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="consumerdedup")
@@ -213,7 +213,7 @@ def test_log_lines_name_consumer_key_and_outcome_at_matching_levels(
     records = ours(caplog)
     assert [(r.levelno, getattr(r, "outcome", None)) for r in records] == [
         (logging.DEBUG, "processed"),
-        (logging.INFO, "duplicate"),
+        (logging.DEBUG, "duplicate"),  # a redelivery storm is no news: INFO by a setting
         (logging.WARNING, "retry"),
         (logging.ERROR, "failed"),
     ]
@@ -221,7 +221,7 @@ def test_log_lines_name_consumer_key_and_outcome_at_matching_levels(
     for record, key in zip(records, expected_keys, strict=True):
         line = record.getMessage()
         assert "consumer=ledger" in line
-        assert f"key={key!r}" in line
+        assert f"message_id={key!r}" in line
         assert f"outcome={record.__dict__['outcome']}" in line
         assert record.__dict__["consumer"] == "ledger"
         assert record.__dict__["message_id"] == key
@@ -230,6 +230,57 @@ def test_log_lines_name_consumer_key_and_outcome_at_matching_levels(
     assert "attempts=2" in retry_line
     assert "reason=PermanentError: refused by the handler" in failed_line
     assert "reason=" not in records[0].getMessage()
+
+
+def test_duplicates_at_info_by_the_setting(
+    sqlite_db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    from consumerdedup.observe import log_duplicates_at
+
+    caplog.set_level(logging.INFO, logger="consumerdedup")
+    handle = wrap(sqlite_db)
+    handle(msg("p-1"))
+    handle(msg("p-1"))
+    assert ours(caplog) == []  # DEBUG by default
+    log_duplicates_at(logging.INFO)
+    try:
+        handle(msg("p-1"))
+    finally:
+        log_duplicates_at(logging.DEBUG)
+    assert [(r.levelno, r.__dict__["outcome"]) for r in ours(caplog)] == [
+        (logging.INFO, "duplicate")
+    ]
+    with pytest.raises(ValueError):
+        log_duplicates_at(logging.ERROR)
+
+
+def test_failed_logs_its_traceback_at_error(
+    sqlite_db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a handler failed, file, line and function, each exception of the chain as
+    its reason (the card-number tests in test_pipeline_attacks check the scrubbing)."""
+    caplog.set_level(logging.WARNING, logger="consumerdedup")
+    dedup = Deduplicator(sqlite_db.engine, consumer="c", tables=sqlite_db.tables)
+
+    def read_amount(body: dict[str, Any]) -> int:
+        try:
+            return int(body["amount"])
+        except KeyError as exc:
+            raise PermanentError("no amount") from exc
+
+    @dedup.handler
+    def handle(message: Message, session: Session) -> None:
+        read_amount(message.json())
+
+    assert handle(msg("bad")) is Outcome.FAILED
+    (record,) = ours(caplog)
+    line = record.getMessage()
+    assert record.levelno == logging.ERROR and "reason=PermanentError: no amount" in line
+    assert "Traceback (most recent call last):" in line
+    assert "in read_amount" in line and "return int(body[\"amount\"])" in line
+    assert "KeyError: 'amount'" in line
+    assert "direct cause of the following exception" in line
+    assert line.rstrip().endswith("PermanentError: no amount")
 
 
 def test_quiet_logger_logs_only_problems(db: Database, caplog: pytest.LogCaptureFixture) -> None:
@@ -249,7 +300,7 @@ def test_invalid_key_is_logged_with_its_reason(
     wrap(db)(Message(id=None, body=b"{}"))
     (record,) = ours(caplog)
     assert record.levelno == logging.ERROR
-    assert "key=None" in record.getMessage()
+    assert "message_id=None" in record.getMessage()
     assert "reason=InvalidMessage: message id must be a str" in record.getMessage()
     assert record.__dict__["message_id"] is None
 
