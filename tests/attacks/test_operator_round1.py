@@ -4,7 +4,6 @@ leak a value, or say something untrue."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -24,8 +23,7 @@ from consumerdedup.headers import CONSUMER_HEADER
 from consumerdedup.reasons import describe
 from consumerdedup.schema import Tables, install
 from tests.conftest import Database
-from tests.failed.test_replay_kafka import Shop as KafkaShop
-from tests.failed.test_replay_rabbitmq import IDS, Shop
+from tests.failed.shop import IDS, KafkaShop, RabbitShop, kafka_shop
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
@@ -177,15 +175,15 @@ def _waiting(conn: Connection, application_name: str) -> bool:
 
 
 @pytest.fixture
-def bad_deploy(pg: Database, rabbit: Broker) -> Shop:
+def bad_deploy(pg: Database, rabbit: Broker) -> RabbitShop:
     """tests/failed's shop after its bad deploy: 5 orders FAILED, in the DLQ."""
-    shop = Shop(pg, rabbit)
+    shop = RabbitShop(pg, rabbit)
     shop.consume()
     assert shop.rabbit.ready(shop.queue + ".dlq") == 5
     return shop
 
 
-def test_a_replay_to_a_deleted_queue_keeps_letters_and_records(bad_deploy: Shop) -> None:
+def test_a_replay_to_a_deleted_queue_keeps_letters_and_records(bad_deploy: RabbitShop) -> None:
     """The source queue is gone: each dead letter stays in the DLQ, and its FAILED record
     stays listed (before: forgotten although nothing went back)."""
     shop = bad_deploy
@@ -199,7 +197,7 @@ def test_a_replay_to_a_deleted_queue_keeps_letters_and_records(bad_deploy: Shop)
     assert report.forgotten == 0 and shop.outcomes() == dict.fromkeys(IDS, "failed")
 
 
-def test_dead_letters_without_our_headers_stay_where_they_are(bad_deploy: Shop) -> None:
+def test_dead_letters_without_our_headers_stay_where_they_are(bad_deploy: RabbitShop) -> None:
     shop = bad_deploy
     dlq = shop.queue + ".dlq"
     shop.rabbit.publish(dlq, b"{}", "foreign-1")
@@ -213,11 +211,7 @@ def test_dead_letters_without_our_headers_stay_where_they_are(bad_deploy: Shop) 
 @pytest.fixture
 async def kafka_bad_deploy(pg: Database, kafka: KafkaService, topics: Topics) -> KafkaShop:
     """tests/failed's Kafka shop after its bad deploy: 5 orders FAILED, in the DLQ topic."""
-    topic = await topics.create("shop")
-    for n, message_id in enumerate(IDS, 1):
-        value = json.dumps({"item": "book", "amount": n}).encode()
-        await topics.produce(topic, value, event_id=message_id)
-    shop = KafkaShop(pg, kafka, topic)
+    shop = await kafka_shop(pg, kafka, topics)
     await shop.consume()
     return shop
 
@@ -265,7 +259,7 @@ def test_doctor_names_a_trigger_calling_another_function(
     assert code == 1 and f"calling another function, not {function}()" in out, out
 
 
-def test_two_replays_at_once_apply_each_order_once(bad_deploy: Shop) -> None:
+def test_two_replays_at_once_apply_each_order_once(bad_deploy: RabbitShop) -> None:
     shop = bad_deploy
     dlq = shop.queue + ".dlq"
     reports: list[Any] = []
