@@ -19,32 +19,19 @@ its ``rollback()`` (SQLAlchemy's own rollback goes through it) and, on psycopg, 
 COMMIT sent through the raw connection's ``execute()``: caught at the handler's
 next statement or when it returns; what such a commit committed stays committed.
 
-Where the guard sits: nowhere but on what a handler is handed. The first time a
-session instance is handed to a handler, it gets SQLAlchemy event listeners
-(``before_commit``, ``after_begin``), and so does the connection the session
-really uses in the pipeline's transaction (``before_cursor_execute``,
-``after_cursor_execute``, ``commit``), whatever engine the session was made
-from. They act only while a HandlerCall runs on that object (it sets itself in
-the session's and the connection's ``info`` and takes itself out when the call
-ends) and go with the object: the pipeline's sessions and connections last one
-attempt, so a batch pays ``event.listen`` once, not once a message. Nothing is
-installed on the Session class, on an engine, or on any other session or
-connection. SQLAlchemy offers
-``handle_error`` only for a whole dialect (every connection of an engine), so
-the error a handler swallowed is taken from the statement's own execution
+Where the guard sits: nowhere but on what a handler is handed (guard_listeners).
+SQLAlchemy offers ``handle_error`` only for a whole dialect (every connection of an
+engine), so the error a handler swallowed is taken from the statement's own execution
 context instead (``ExecutionContext.handle_dbapi_exception``, set on that one
-statement's context).
+statement's context). The driver's transaction state is read locally (driver_state),
+the raw connection's commit() refused for the call (raw_commit).
 """
 
 from __future__ import annotations
 
-import inspect
-import sqlite3
-import weakref
-from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, event
+from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine.interfaces import ExecutionContext
 from sqlalchemy.orm import Session, SessionTransaction
@@ -52,6 +39,9 @@ from sqlalchemy.orm import Session, SessionTransaction
 from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
 from ..reasons import describe
+from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle
+from .guard_listeners import CALL, CONNECTION_EVENTS, SESSION_EVENTS, watch
+from .raw_commit import refuse_raw_commit
 
 _TWO_CONNECTIONS = (
     "the handler's session began a transaction on a second connection (a session with "
@@ -82,7 +72,7 @@ class HandlerCall:
         # Our claim or lookup has run in this transaction: a driver that does not say it is
         # open now is one whose state we cannot read (a DB-API swapped in through module= or
         # creator=): refused, as every check below would be meaningless on it.
-        if _driver_state(connection) != "open":
+        if driver_state(connection) != OPEN:
             raise ConfigurationError(
                 f"{connection.dialect.name}+{connection.dialect.driver}: the connection "
                 f"({type(connection.connection.driver_connection).__name__}) does not report "
@@ -98,12 +88,14 @@ class HandlerCall:
         self.statement: tuple[str, Any, bool] = ("", None, False)
         """The handler's last statement: its text, parameters and whether executemany."""
         self.second_connection = False
-        _watch(session, _SESSION_EVENTS)
-        _watch(connection, _CONNECTION_EVENTS)
+        watch(session, SESSION_EVENTS)
+        watch(connection, CONNECTION_EVENTS)
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = connection.info
-        session.info[_CALL] = self.info[_CALL] = self
-        self._unlock = _lock_raw_ends(connection.connection.driver_connection, self)
+        session.info[CALL] = self.info[CALL] = self
+        self._unlock = refuse_raw_commit(
+            connection.connection.driver_connection, self.refuse_raw_end
+        )
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
@@ -111,8 +103,8 @@ class HandlerCall:
         A second connection is a setup fault, whatever the handler made of it:
         ConfigurationError, so that no message is recorded for it.
         """
-        self.session.info.pop(_CALL, None)
-        self.info.pop(_CALL, None)
+        self.session.info.pop(CALL, None)
+        self.info.pop(CALL, None)
         self._unlock()
         if self.second_connection:
             raise ConfigurationError(_TWO_CONNECTIONS)
@@ -126,8 +118,8 @@ class HandlerCall:
                 "the handler ended the session's transaction (rollback or close): its writes "
                 f"and the dedup record can no longer commit together; {_ADVICE}"
             )
-        state = _driver_state(self.connection)
-        if state == "aborted" or not self.session.is_active:
+        state = driver_state(self.connection)
+        if state == ABORTED or not self.session.is_active:
             cause = self._swallowed_error()
             caught = f" ({describe(cause)})" if cause is not None else ""
             raise TransactionBroken(
@@ -135,7 +127,7 @@ class HandlerCall:
                 f"was aborted, so nothing of it can commit: {_ADVICE}",
                 cause,
             )
-        if state == "ended" or not self.connection.in_transaction():
+        if state == ENDED or not self.connection.in_transaction():
             raise TransactionBroken(
                 "the database transaction ended inside the handler: the pipeline must "
                 "commit the handler's writes with the dedup record"
@@ -143,12 +135,12 @@ class HandlerCall:
 
     # Session listeners ------------------------------------------------------------------------
 
-    def _refuse_commit(self, session: Session) -> None:
+    def refuse_commit(self, session: Session) -> None:
         # A begin_nested() block's RELEASE fires before_commit too: that one is the handler's.
         if not session.in_nested_transaction():
             raise CommitInHandler(f"the handler called session.commit(): {_NO_COMMIT}")
 
-    def _refuse_second_connection(
+    def refuse_second_connection(
         self, _session: Session, transaction: SessionTransaction, conn: Connection
     ) -> None:
         # The pipeline's connection began before the handler ran; any other one is a second.
@@ -171,7 +163,7 @@ class HandlerCall:
 
     # Connection listeners ---------------------------------------------------------------------
 
-    def _before_statement(
+    def before_statement(
         self,
         conn: Connection,
         _cursor: Any,
@@ -184,7 +176,7 @@ class HandlerCall:
             raise TransactionBroken(
                 f"{self.ended}; the handler went on with more statements: {_ADVICE}"
             )
-        if _idle(conn):
+        if idle(conn):
             # Ended since the last statement we saw: by the raw DB-API connection's commit() or
             # rollback(). This statement would begin a new transaction that then passes for
             # ours. (A lost connection is not idle: its statement fails as it would, retried.)
@@ -214,24 +206,25 @@ class HandlerCall:
 
     def _on_error(self, conn: Connection, error: BaseException) -> None:
         self.swallowed = (error, *self.statement)
-        if not conn.invalidated and _driver_state(conn) == "ended":
+        if not conn.invalidated and driver_state(conn) == ENDED:
             self.ended = "the database rolled the transaction back after an error"
 
-    def _after_statement(self, conn: Connection, *_args: Any) -> None:
+    def after_statement(self, conn: Connection, *_args: Any) -> None:
         # Whatever got past the text check: the driver says the transaction is over. Later
         # statements would run outside it (each committing at once), so stop at this one.
-        if _driver_state(conn) == "ended":
+        if driver_state(conn) == ENDED:
             self.ended = "a statement of the handler ended the transaction"
             raise TransactionBroken(
                 "a statement of the handler ended the transaction: the pipeline must commit the "
                 "handler's writes with the dedup record"
             )
 
-    def _on_commit(self, _conn: Connection) -> None:
+    def on_commit(self, _conn: Connection) -> None:
         self.ended = "the handler committed the connection"
         raise CommitInHandler(f"the handler committed the connection: {_NO_COMMIT}")
 
-    def _refuse_raw_end(self, word: str) -> CommitInHandler:
+    def refuse_raw_end(self, word: str) -> CommitInHandler:
+        """The raw DB-API connection's ``word``() was called (raw_commit): the error to raise."""
         self.ended = f"the handler called the raw DB-API connection's {word}()"
         return CommitInHandler(f"{self.ended}: {_NO_COMMIT}, and never through the raw connection")
 
@@ -251,116 +244,3 @@ class HandlerCall:
             dialect=dialect,
             ismulti=executemany,
         )
-
-
-_CALL = "consumerdedup.handler_call"
-"""In ``session.info`` and the connection's ``info``: the HandlerCall running on it."""
-_watched: weakref.WeakSet[Session | Connection] = weakref.WeakSet()
-"""Sessions and connections already handed to a handler: they carry our listeners."""
-
-
-def _route(method: str) -> Callable[..., None]:
-    """A listener that hands the event to the call running on the session or connection."""
-
-    def listener(target: Any, *args: Any) -> None:
-        call = target.info.get(_CALL)
-        if call is not None:
-            getattr(call, method)(target, *args)
-
-    return listener
-
-
-_SESSION_EVENTS = [
-    ("before_commit", _route("_refuse_commit")),
-    ("after_begin", _route("_refuse_second_connection")),
-]
-_CONNECTION_EVENTS = [
-    ("before_cursor_execute", _route("_before_statement")),
-    ("after_cursor_execute", _route("_after_statement")),
-    ("commit", _route("_on_commit")),
-]
-
-
-def _watch(target: Session | Connection, events: list[tuple[str, Any]]) -> None:
-    """Listen on ``target`` the first time it is handed to a handler. The first listeners on
-    an object cost some 0.15-0.3 ms (measured, loaded 2-core box): paid once per attempt,
-    so a batch pays it once and a message processed alone pays it whole."""
-    if target not in _watched:
-        for name, fn in events:
-            event.listen(target, name, fn)
-        _watched.add(target)
-
-
-def _lock_raw_ends(raw: Any, call: HandlerCall) -> Callable[[], None]:
-    """Refuse the raw DB-API connection's ``commit()`` while ``call`` runs (a rollback loses
-    nothing, and SQLAlchemy's own rollback goes through it: caught afterwards, as before);
-    send back what lifts that. Caught only afterwards, a raw commit would already have
-    committed the batch's claims (claim-first: the messages after it reported DUPLICATE,
-    their handlers never run) or its handlers' effects without their records (check-first:
-    run again). sqlite3's methods cannot be replaced: its authorizer denies COMMIT
-    instead (any authorizer of the application's on that connection is removed).
-    A driver connection that takes neither is refused: the guard cannot hold on it."""
-    if isinstance(raw, sqlite3.Connection):
-
-        def authorize(action: int, *_args: Any) -> int:
-            if action == sqlite3.SQLITE_TRANSACTION and str(_args[0]).upper() == "COMMIT":
-                call._refuse_raw_end("commit")
-                return sqlite3.SQLITE_DENY
-            return sqlite3.SQLITE_OK
-
-        raw.set_authorizer(authorize)
-        return lambda: raw.set_authorizer(None)
-    for word in ("commit",):
-        try:
-            setattr(
-                raw, word, _refusal(call, word, inspect.iscoroutinefunction(getattr(raw, word)))
-            )
-        except (AttributeError, TypeError) as exc:
-            raise ConfigurationError(
-                f"{type(raw).__name__}: its {word}() cannot be refused while a handler runs, so "
-                "a handler could commit apart from the dedup record; use the DB-API module "
-                "its dialect loads itself"
-            ) from exc
-
-    def unlock() -> None:
-        vars(raw).pop("commit", None)
-
-    return unlock
-
-
-def _refusal(call: HandlerCall, word: str, coroutine: bool) -> Callable[..., Any]:
-    if coroutine:
-
-        async def refuse_async(*_args: Any, **_kwargs: Any) -> None:
-            raise call._refuse_raw_end(word)
-
-        return refuse_async
-
-    def refuse(*_args: Any, **_kwargs: Any) -> None:
-        raise call._refuse_raw_end(word)
-
-    return refuse
-
-
-def _idle(connection: Connection) -> bool:
-    """The driver says no transaction is open, on a healthy connection."""
-    driver_connection = connection.connection.driver_connection
-    status = getattr(getattr(driver_connection, "info", None), "transaction_status", None)
-    if status is not None:
-        return int(status) == 0  # psycopg's IDLE (UNKNOWN, 4, is a lost connection)
-    return getattr(driver_connection, "in_transaction", None) is False
-
-
-def _driver_state(connection: Connection) -> str:
-    """``open``, ``aborted`` or ``ended``, from the driver without a round trip.
-
-    Only drivers that tell are accepted (db.dialects.require_driver); should
-    another reach here anyway, its silence reads as ``ended``, never as healthy.
-    """
-    driver_connection = connection.connection.driver_connection
-    info = getattr(driver_connection, "info", None)
-    status = getattr(info, "transaction_status", None)
-    if status is not None:  # psycopg: IDLE 0, ACTIVE 1, INTRANS 2, INERROR 3, UNKNOWN 4
-        return {2: "open", 1: "open", 3: "aborted"}.get(int(status), "ended")
-    # sqlite3 and aiosqlite: False once SQLite rolled back on its own (ON CONFLICT ROLLBACK)
-    return "open" if getattr(driver_connection, "in_transaction", None) is True else "ended"
