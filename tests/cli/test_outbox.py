@@ -4,45 +4,15 @@ the CLI's ``main()`` in process."""
 from __future__ import annotations
 
 import getpass
-import io
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import pytest
 from sqlalchemy import text
 
 from consumerdedup import OutboxRelay
-from consumerdedup.cli.main import main
 from tests.conftest import Database
 from tests.outbox.test_outbox import FlakyPublisher, add_events, outbox_rows
 from tests.outbox.test_parked import config, park_p1, published
-
-
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-Cli = Callable[..., Run]
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
-    def run(db: Database, *args: str, stdin: str = "") -> Run:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-        tables = ["--processed-events-table", db.tables.processed_events.fullname]
-        tables += ["--outbox-table", db.tables.outbox.fullname]
-        try:
-            code = main([*args, "--db", db.url, *tables])
-        except SystemExit as exited:  # argparse's usage errors
-            code = int(exited.code or 0)
-        out, err = capsys.readouterr()
-        return Run(code, out, err)
-
-    return run
+from tests.support.cli import Cli, cli_fixture  # noqa: F401
 
 
 def test_list_show_replay_abandon_and_stats(db: Database, cli: Cli) -> None:

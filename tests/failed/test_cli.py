@@ -3,42 +3,13 @@
 
 from __future__ import annotations
 
-import io
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import pytest
 from sqlalchemy import select
 
-from consumerdedup.cli.main import main
 from tests.conftest import Database
 from tests.failed.test_records import add
-
-
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-Cli = Callable[..., Run]
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
-    def run(db: Database, *args: str, stdin: str = "") -> Run:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-        tables = ["--processed-events-table", db.tables.processed_events.fullname]
-        try:
-            code = main([*args, "--db", db.url, *tables])
-        except SystemExit as exited:  # argparse's usage errors
-            code = int(exited.code or 0)
-        out, err = capsys.readouterr()
-        return Run(code, out, err)
-
-    return run
+from tests.support.cli import Cli, cli_fixture  # noqa: F401
 
 
 def left(db: Database) -> list[tuple[str, str]]:
