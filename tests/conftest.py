@@ -134,6 +134,27 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
 
 
 @pytest.fixture
+def pg_engine(postgres_url: str) -> Iterator[Engine]:
+    """An engine on the test PostgreSQL, for tests that make their own tables."""
+    engine = create_engine(postgres_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_schema(postgres_url: str) -> Iterator[str]:
+    """A schema name nobody uses; dropped afterwards whether or not the test created it."""
+    name = f"s_{uuid.uuid4().hex[:12]}"
+    try:
+        yield name
+    finally:
+        engine = create_engine(postgres_url)
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
+        engine.dispose()
+
+
+@pytest.fixture
 def pg_partitioned(postgres_url: str) -> Iterator[Database]:
     """PostgreSQL with processed_events range-partitioned by day."""
     yield from _postgres(postgres_url, partitioned=True)

@@ -6,11 +6,7 @@ A one-letter password used to garble every word holding that letter:
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import pytest
-from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from consumerdedup.cli.redact import Secrets, mask
@@ -21,13 +17,8 @@ REFUSED_PORT = "port 1 failed: Connection refused: check the host and port in th
 
 
 @pytest.fixture
-def schema(postgres_url: str) -> Iterator[str]:
-    name = f"s_{uuid.uuid4().hex[:12]}"
-    yield name
-    engine = create_engine(postgres_url)
-    with engine.begin() as conn:
-        conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
-    engine.dispose()
+def schema(pg_schema: str) -> str:
+    return pg_schema
 
 
 @pytest.mark.postgres

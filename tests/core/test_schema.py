@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,24 +37,6 @@ def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
     engine = create_engine(f"sqlite:///{tmp_path / 'schema.db'}")
     yield engine
     engine.dispose()
-
-
-@pytest.fixture
-def pg_engine(postgres_url: str) -> Iterator[Engine]:
-    engine = create_engine(postgres_url)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture
-def pg_schema(pg_engine: Engine) -> Iterator[str]:
-    """A schema name nobody uses; dropped afterwards whether or not the test created it."""
-    schema = f"s_{uuid.uuid4().hex}"
-    try:
-        yield schema
-    finally:
-        with pg_engine.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
 
 
 def now() -> datetime:
