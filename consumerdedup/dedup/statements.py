@@ -11,11 +11,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
 from ..db.dialects import require_supported
+from ..db.names import table_sql
 from ..errors import ConfigurationError
 from ..reasons import describe
 from ..retry import setup_fault
 from ..schema import Tables
-from . import partitioned_statements
+from . import partitioned_statements, unnest_statements
+from .driver_sql import DriverSQL
 
 MAX_PARAMETERS = 30_000
 """Bound parameters per statement of ours, under every supported driver's limit:
@@ -62,14 +64,36 @@ class Statements:
             self._lookup = partitioned_statements.lookup(pe)
             self._record = partitioned_statements.record(pe)
         self._lock = partitioned_statements.lock(pe)
+        self.on_driver = dialect == "postgresql" and not self.serialized
+        """The claim, lookup and records go to psycopg itself (driver_sql), keys as arrays:
+        one statement whatever the batch's size."""
+        name = table_sql(pe)
+        self._driver_lookup = DriverSQL(
+            f"SELECT message_id, payload_hash, outcome, error FROM {name} "
+            "WHERE consumer = %(consumer)s AND message_id = ANY(%(keys)s::text[])"
+        )
+        self._driver_record = DriverSQL(
+            f"INSERT INTO {name} (consumer, message_id, processed_at, payload_hash, outcome, "
+            "error) SELECT %(consumer)s, r.message_id, %(processed_at)s, r.payload_hash, "
+            "r.outcome, r.error FROM unnest(%(ids)s::text[], %(hashes)s::text[], "
+            "%(outcomes)s::text[], %(errors)s::text[]) WITH ORDINALITY "
+            "AS r(message_id, payload_hash, outcome, error, n) ORDER BY r.n "
+            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+        )
+        self._record_many: TextualSelect | None = None
+        """PostgreSQL: many rows as arrays, one statement of fixed text (unnest_statements)."""
+        if dialect == "postgresql" and not self.serialized:
+            self._record_many = unnest_statements.record(pe)
 
     def lookups(
         self, consumer: str, keys: Sequence[str]
-    ) -> list[tuple[Select[Any] | TextualSelect, dict[str, Any]]]:
+    ) -> list[tuple[Select[Any] | TextualSelect | DriverSQL, dict[str, Any]]]:
         """The lookup of ``keys``, in as many statements as the parameter limit needs.
 
-        Partitioned, the keys travel as one array: a single statement.
+        On PostgreSQL the keys travel as one array: a single statement.
         """
+        if self.on_driver:
+            return [(self._driver_lookup, {"consumer": consumer, "keys": list(keys)})]
         size = len(keys) if self.serialized else MAX_PARAMETERS - 1
         return [
             (self._lookup, {"consumer": consumer, "keys": list(keys[i : i + size])})
@@ -82,7 +106,7 @@ class Statements:
 
     def records(
         self, rows: Iterable[Mapping[str, Any]]
-    ) -> list[tuple[Insert | TextualSelect, Any]]:
+    ) -> list[tuple[Insert | TextualSelect | DriverSQL, Any]]:
         """INSERT ... ON CONFLICT DO NOTHING RETURNING message_id: what comes back was ours.
 
         The rows go in key order, in as many statements as the parameter limit needs:
@@ -91,8 +115,12 @@ class Statements:
         partition holds, after ``lock`` (which takes its locks in hash order).
         """
         listed = sorted((dict(r) for r in rows), key=lambda row: row["message_id"])
+        if self.on_driver:  # in array order, so the keys' locks are taken in key order
+            return [(self._driver_record, partitioned_statements.record_params(listed))]
         if self.serialized:
             return [(self._record, partitioned_statements.record_params(listed))]
+        if self._record_many is not None and len(listed) > 1:
+            return [(self._record_many, partitioned_statements.record_params(listed))]
         size = MAX_PARAMETERS // _RECORD_COLUMNS
         return [(self._record, listed[i : i + size]) for i in range(0, len(listed), size)]
 
