@@ -16,7 +16,7 @@ from ..errors import ConfigurationError
 from ..reasons import describe
 from ..retry import setup_fault
 from ..schema import Tables
-from . import partitioned_statements, unnest_statements
+from . import partitioned_statements
 from .driver_sql import DriverSQL
 
 MAX_PARAMETERS = 30_000
@@ -80,10 +80,6 @@ class Statements:
             "AS r(message_id, payload_hash, outcome, error, n) ORDER BY r.n "
             "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
         )
-        self._record_many: TextualSelect | None = None
-        """PostgreSQL: many rows as arrays, one statement of fixed text (unnest_statements)."""
-        if dialect == "postgresql" and not self.serialized:
-            self._record_many = unnest_statements.record(pe)
 
     def lookups(
         self, consumer: str, keys: Sequence[str]
@@ -119,8 +115,6 @@ class Statements:
             return [(self._driver_record, partitioned_statements.record_params(listed))]
         if self.serialized:
             return [(self._record, partitioned_statements.record_params(listed))]
-        if self._record_many is not None and len(listed) > 1:
-            return [(self._record_many, partitioned_statements.record_params(listed))]
         size = MAX_PARAMETERS // _RECORD_COLUMNS
         return [(self._record, listed[i : i + size]) for i in range(0, len(listed), size)]
 
