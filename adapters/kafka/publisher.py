@@ -9,43 +9,24 @@ from types import TracebackType
 from typing import Any
 
 from aiokafka.errors import (  # type: ignore[import-untyped]
-    ClusterAuthorizationFailedError,
-    DuplicateSequenceNumber,
-    InvalidProducerEpoch,
-    InvalidProducerIdMapping,
     KafkaError,
     KafkaTimeoutError,
-    OutOfOrderSequenceNumber,
-    ProducerClosed,
-    ProducerFenced,
-    UnknownProducerId,
     UnknownTopicOrPartitionError,
 )
 
-from consumerdedup.outbox.publisher import AsyncPublisher
+from consumerdedup.outbox.publisher import AsyncPublisher, NotSent, Outgoing
 from consumerdedup.reasons import describe
 
 from . import connection
 from .config import DEFAULT_BOOTSTRAP
 from .connection import producer_settings
-from .errors import BrokerRefused, BrokerUnavailable, PublishFailed, PublishRefused, TopicMissing
+from .errors import BrokerUnavailable, PublishFailed, PublishRefused, TopicMissing
+from .publish_failures import PRODUCER_STATE, start_failure
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, bytes]]
 TOPIC_LIST_TIMEOUT = 10.0
 """Seconds the broker has to list its topics when a send failed in a way that may mean
 either "no such topic" or "no broker"."""
-PRODUCER_STATE = (
-    ClusterAuthorizationFailedError,
-    DuplicateSequenceNumber,
-    InvalidProducerEpoch,
-    InvalidProducerIdMapping,
-    OutOfOrderSequenceNumber,
-    ProducerClosed,
-    ProducerFenced,
-    UnknownProducerId,
-)
-"""Not retriable in aiokafka's words, yet about the producer's session (its id, epoch,
-sequence), not the record: a new producer may send the same record."""
 
 
 class KafkaPublisher(AsyncPublisher):
@@ -94,7 +75,7 @@ class KafkaPublisher(AsyncPublisher):
                     # Raised from start() too, also through ``async with`` (the outbox
                     # relay enters the publisher before its first send): a broker that
                     # does not answer must read as BrokerUnavailable there as well.
-                    raise _start_failure(exc, self._settings) from exc
+                    raise start_failure(exc, self._settings) from exc
                 raise
             self._producer = producer
 
@@ -121,6 +102,62 @@ class KafkaPublisher(AsyncPublisher):
     ) -> None:
         """Send to topic ``destination``; returns once every in-sync replica has it."""
         await self.send(destination, body, key=key, headers=headers)
+
+    async def publish_window(self, messages: Sequence[Outgoing]) -> list[BaseException | None]:
+        """Send every message, then gather their acknowledgements (acks=all).
+
+        aiokafka sends one request at a time per broker and mutes a partition while its
+        batch is in flight (retries included), so its own retries cannot reorder a
+        partition: same-key messages land in window order. A failed send is that message's
+        outcome, told apart as ``send`` does (the broker away, the topic missing, a
+        refusal), asked once per topic and kind of error.
+        """
+        if self._producer is None:
+            await self.start()
+        pending: list[Any] = []
+        refused: dict[str, BaseException] = {}  # topics found missing in this window
+        failed_keys: set[str] = set()  # failed before sending: their later messages wait
+        for message in messages:
+            topic = message.destination
+            if message.key is not None and message.key in failed_keys:
+                pending.append(NotSent())
+                continue
+            try:
+                if topic in refused:
+                    raise refused[topic]
+                if topic in self._missing:
+                    await self._refuse_if_still_missing(topic)
+                pending.append(
+                    await self._producer.send(
+                        topic,
+                        message.body,
+                        key=_bytes(message.key),
+                        headers=_header_list(message.headers),
+                    )
+                )
+            except (TopicMissing, KafkaError) as exc:
+                if isinstance(exc, TopicMissing):
+                    refused[topic] = exc
+                pending.append(exc)
+                if message.key is not None:
+                    failed_keys.add(message.key)
+        results = await asyncio.gather(
+            *(_done(p) if isinstance(p, BaseException) else p for p in pending),
+            return_exceptions=True,
+        )
+        told: dict[tuple[str, type], BaseException] = {}
+        outcomes: list[BaseException | None] = []
+        for message, result in zip(messages, results, strict=True):
+            if not isinstance(result, BaseException):
+                outcomes.append(None)
+            elif isinstance(result, KafkaError):
+                kind = (message.destination, type(result))
+                if kind not in told:
+                    told[kind] = await self._failure(message.destination, result)
+                outcomes.append(told[kind])
+            else:
+                outcomes.append(result)
+        return outcomes
 
     async def send(
         self,
@@ -178,26 +215,9 @@ class KafkaPublisher(AsyncPublisher):
         return set(cluster.topics(exclude_internal_topics=False))
 
 
-def _start_failure(exc: KafkaError, settings: Mapping[str, Any]) -> PublishFailed | BrokerRefused:
-    """A producer that cannot start: no broker answers (retriable, BrokerUnavailable), or one
-    refuses it (BrokerRefused, a ConfigurationError naming what to change)."""
-    reason = f"cannot start the Kafka producer: {describe(exc)}"
-    if isinstance(exc, connection.SASL_FAILURES):
-        return connection.authentication_failed(exc, settings["bootstrap_servers"])
-    if getattr(exc, "retriable", False) or isinstance(exc, KafkaTimeoutError):
-        return BrokerUnavailable(reason)
-    where = settings["bootstrap_servers"]
-    if settings["enable_idempotence"]:
-        return BrokerRefused(
-            f"the Kafka broker at {where} refused an idempotent producer ({describe(exc)}); "
-            "a broker without idempotent producers (Tansu, some managed services) needs them "
-            "off: KafkaPublisher(enable_idempotence=False), consumerdedup relay "
-            "--no-idempotence, KafkaConfig(idempotent_producer=False) for a runner's dead letters"
-        )
-    return BrokerRefused(
-        f"the Kafka broker at {where} refused the producer ({describe(exc)}): check the "
-        "security options (security_protocol, sasl_*) and the ACLs"
-    )
+async def _done(error: BaseException) -> None:
+    """An outcome known before the gather, raised inside it."""
+    raise error
 
 
 def _bytes(value: str | bytes | None) -> bytes | None:

@@ -24,7 +24,8 @@ from .errors import (
     TopologyError,
     Unroutable,
 )
-from .publisher import RabbitPublisher, route
+from .outgoing import route
+from .publisher import RabbitPublisher
 from .runner import RabbitConsumerRunner
 
 __all__ = [

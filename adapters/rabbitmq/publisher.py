@@ -6,7 +6,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -15,12 +15,12 @@ import pika.exceptions  # type: ignore[import-untyped]
 import tenacity
 
 from consumerdedup import ConfigurationError, InvalidMessage
-from consumerdedup.headers import ID_HEADER
-from consumerdedup.outbox.publisher import Publisher
+from consumerdedup.outbox.publisher import NotSent, Outgoing, Publisher
 from consumerdedup.retry import Backoff
 
 from .config import DEFAULT_URL
-from .connection import close_quietly, connect, frame_max, header_frame_size, parameters
+from .confirms import ConfirmWindow, Unresolved
+from .connection import close_quietly, connect, frame_max, parameters
 from .errors import (
     BrokerUnavailable,
     ExchangeMissing,
@@ -29,26 +29,11 @@ from .errors import (
     PublishRefused,
     Unroutable,
 )
+from .outgoing import Prepared, check_frame, fits, prepare
 
 _names = itertools.count(1)
-PERSISTENT = pika.DeliveryMode.Persistent.value
 BACKOFF = Backoff(timedelta(milliseconds=100), timedelta(seconds=2))
 """Between connection attempts, and before sending again on a new connection."""
-
-
-def route(destination: str, key: str | None = None) -> tuple[str, str]:
-    """(exchange, routing key) of a destination.
-
-    ``"orders"``: the default exchange, so straight to the queue ``orders``;
-    ``"events/order.created"``: exchange ``events``, that routing key;
-    ``"events/"``: exchange ``events`` with ``key`` as the routing key.
-    """
-    if not isinstance(destination, str) or not destination:
-        raise InvalidMessage("destination must be a queue name or 'exchange/routing_key'")
-    exchange, slash, routing_key = destination.partition("/")
-    if not slash:
-        return "", destination
-    return exchange, routing_key or key or ""
 
 
 REFUSED_FOR_GOOD = {403, 406}
@@ -63,6 +48,21 @@ def channel_closed(exc: Any, exchange: str) -> PublishFailed:
         return ExchangeMissing(f"{exchange!r}: {exc.reply_text}")
     kind = PublishRefused if exc.reply_code in REFUSED_FOR_GOOD else PublishFailed
     return kind(f"{exchange!r}: {exc.reply_code} {exc.reply_text}")
+
+
+def _held_back(
+    messages: Sequence[Outgoing], window: list[Prepared | BaseException]
+) -> list[Prepared | BaseException]:
+    """After a message that cannot be sent, its key's later messages wait (NotSent)."""
+    failed_keys: set[str] = set()
+    for index, (message, entry) in enumerate(zip(messages, window, strict=True)):
+        if message.key is None:
+            continue
+        if message.key in failed_keys:
+            window[index] = NotSent()
+        elif isinstance(entry, BaseException):
+            failed_keys.add(message.key)
+    return window
 
 
 class RabbitPublisher(Publisher):
@@ -82,20 +82,23 @@ class RabbitPublisher(Publisher):
         *,
         attempts: int = 3,
         connect_timeout: timedelta = timedelta(seconds=10),
+        confirm_timeout: timedelta = timedelta(seconds=30),
         connection_name: str | None = None,
         connection_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(attempts, int) or attempts < 1:
             raise ConfigurationError(f"attempts must be an int >= 1, got {attempts!r}")
-        if connect_timeout <= timedelta(0):
-            raise ConfigurationError("connect_timeout must be positive")
+        if connect_timeout <= timedelta(0) or confirm_timeout <= timedelta(0):
+            raise ConfigurationError("connect_timeout and confirm_timeout must be positive")
         self.attempts = attempts
         self.connect_timeout = connect_timeout
+        self.confirm_timeout = confirm_timeout
         self.name = connection_name or f"consumerdedup-publisher:{os.getpid()}:{next(_names)}"
         self._params = parameters(url, connection_options or {}, self.name)
         self._lock = threading.Lock()
         self._connection: Any = None
-        self._channel: Any = None
+        self._channel: Any = None  # confirms one at a time (publish)
+        self._window: ConfirmWindow | None = None  # pipelined confirms (publish_window)
 
     def publish(
         self,
@@ -105,48 +108,105 @@ class RabbitPublisher(Publisher):
         headers: Mapping[str, str] | None = None,
     ) -> None:
         """Publish one message and wait for the broker's confirm."""
-        exchange, routing_key = route(destination, key)
-        headers = dict(headers or {})
-        event_id = headers.get(ID_HEADER)
-        if not isinstance(event_id, str) or not 0 < len(event_id.encode()) <= 255:
-            raise InvalidMessage(
-                f"the {ID_HEADER!r} header must be a str of 1..255 bytes (AMQP message_id), "
-                f"got {event_id!r}: consumers need it to deduplicate"
-            )
-        properties = pika.BasicProperties(
-            message_id=event_id, headers=headers, delivery_mode=PERSISTENT
-        )
+        exchange, routing_key, properties = prepare(destination, key, headers)
+        with self._lock:
+            self._publish_one(destination, exchange, routing_key, body, properties)
+
+    def publish_window(self, messages: Sequence[Outgoing]) -> list[BaseException | None]:
+        """Publish every message back to back, then wait for their confirms together.
+
+        A lost connection makes the unconfirmed ones BrokerUnavailable (the relay sends
+        them again next round). When the broker closes the channel under the window (a
+        missing exchange, a refused message), the unconfirmed ones go again one at a time
+        with a confirm each, which names the culprit; after a failure, later messages of
+        its key are NotSent.
+        """
+        window: list[Prepared | BaseException] = []
+        for message in messages:
+            try:
+                exchange, routing_key, properties = prepare(
+                    message.destination, message.key, message.headers
+                )
+                window.append((exchange, routing_key, message.body, properties))
+            except InvalidMessage as exc:
+                window.append(exc)
+        ids = [m[3].message_id if isinstance(m, tuple) else "" for m in window]
+        with self._lock:
+            try:
+                confirms = self._confirm_window()
+                limit = frame_max(self._connection, self._params)
+            except pika.exceptions.AMQPConnectionError as exc:
+                self._drop()
+                lost = BrokerUnavailable(f"lost RabbitMQ while publishing: {exc!r}")
+                return [lost] * len(messages)
+            window = _held_back(messages, [fits(m, limit) for m in window])
+            outcomes = confirms.send(window, ids)
+            if not confirms.usable:
+                self._window = None
+            if isinstance(confirms.closed, pika.exceptions.AMQPConnectionError | TimeoutError):
+                self._drop()
+            return self._settle_unresolved(messages, window, outcomes)
+
+    def _settle_unresolved(
+        self,
+        messages: Sequence[Outgoing],
+        window: list[Prepared | BaseException],
+        outcomes: list[BaseException | None],
+    ) -> list[BaseException | None]:
+        """Send again, one at a time and in order, what the window left unconfirmed."""
+        failed_keys: set[str] = set()
+        for index, outcome in enumerate(outcomes):
+            key = messages[index].key
+            if isinstance(outcome, Unresolved):
+                if key is not None and key in failed_keys:
+                    outcomes[index] = NotSent()
+                    continue
+                exchange, routing_key, body, properties = window[index]  # type: ignore[misc]
+                try:
+                    self._publish_one(
+                        messages[index].destination, exchange, routing_key, body, properties
+                    )
+                    outcomes[index] = None
+                except Exception as exc:
+                    outcomes[index] = exc
+            if outcomes[index] is not None and key is not None:
+                failed_keys.add(key)
+        return outcomes
+
+    def _confirm_window(self) -> ConfirmWindow:
+        if self._channel is None or not self._channel.is_open:
+            self._open()
+        if self._window is None or not self._window.usable:
+            self._window = ConfirmWindow(self._connection, self.confirm_timeout.total_seconds())
+        return self._window
+
+    def _publish_one(
+        self, destination: str, exchange: str, routing_key: str, body: bytes, properties: Any
+    ) -> None:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(pika.exceptions.AMQPConnectionError),
             stop=tenacity.stop_after_attempt(self.attempts),
             wait=BACKOFF,
             reraise=True,
         )
-        with self._lock:
-            try:
-                retrying(self._send, exchange, routing_key, body, properties)
-            except pika.exceptions.UnroutableError as exc:
-                raise Unroutable(
-                    f"no queue is bound for exchange {exchange!r}, routing key {routing_key!r}"
-                ) from exc
-            except pika.exceptions.NackError as exc:
-                raise PublishNacked(f"the broker refused a message to {destination!r}") from exc
-            except pika.exceptions.AMQPConnectionError as exc:
-                raise BrokerUnavailable(f"lost RabbitMQ while publishing: {exc!r}") from exc
-            except pika.exceptions.AMQPError as exc:
-                raise PublishFailed(f"cannot publish to {destination!r}: {exc!r}") from exc
+        try:
+            retrying(self._send, exchange, routing_key, body, properties)
+        except pika.exceptions.UnroutableError as exc:
+            raise Unroutable(
+                f"no queue is bound for exchange {exchange!r}, routing key {routing_key!r}"
+            ) from exc
+        except pika.exceptions.NackError as exc:
+            raise PublishNacked(f"the broker refused a message to {destination!r}") from exc
+        except pika.exceptions.AMQPConnectionError as exc:
+            raise BrokerUnavailable(f"lost RabbitMQ while publishing: {exc!r}") from exc
+        except pika.exceptions.AMQPError as exc:
+            raise PublishFailed(f"cannot publish to {destination!r}: {exc!r}") from exc
 
     def _send(self, exchange: str, routing_key: str, body: bytes, properties: Any) -> None:
         try:
             if self._channel is None or not self._channel.is_open:
                 self._open()
-            if header_frame_size(properties) > frame_max(self._connection, self._params):
-                # The broker would close the connection (501 FRAME_ERROR): taken for an outage,
-                # this event would hold the relay's every round, and every key behind it.
-                raise PublishRefused(
-                    f"cannot publish to {exchange!r}: the message's properties and headers "
-                    "exceed the connection's frame size (frame_max)"
-                )
+            check_frame(exchange, properties, frame_max(self._connection, self._params))
             self._channel.basic_publish(
                 exchange, routing_key, body, properties=properties, mandatory=True
             )
@@ -172,7 +232,7 @@ class RabbitPublisher(Publisher):
 
     def _drop(self) -> None:
         close_quietly(self._connection)
-        self._connection = self._channel = None
+        self._connection = self._channel = self._window = None
 
     def close(self) -> None:
         with self._lock:

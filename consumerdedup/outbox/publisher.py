@@ -24,13 +24,39 @@ MemoryBroker, RabbitPublisher and KafkaPublisher all pass):
 
 Subclass the protocol to get the context-manager methods for free when there
 is nothing to open or close.
+
+Pipelining (optional): a publisher that also has ``publish_window`` (the
+``WindowPublisher`` / ``AsyncWindowPublisher`` protocols) is given a window of
+messages at a time: it sends them all, then waits for their confirmations
+together, and returns one outcome per message, in order: None (confirmed), or
+the error that message met (the same errors ``publish`` raises). Messages with
+the same key go to the broker in window order. A publisher without it is
+driven one ``publish`` at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import NamedTuple, Protocol, Self, runtime_checkable
+
+
+class Outgoing(NamedTuple):
+    """One message of a window: ``publish``'s arguments."""
+
+    destination: str
+    body: bytes
+    key: str | None
+    headers: Mapping[str, str]
+
+
+class NotSent(Exception):
+    """A window's outcome for a message the publisher did not send (an older message of
+    its key failed first, or the round ended): the relay neither marks nor charges it."""
+
+
+Outcomes = list[BaseException | None]
+"""One per message of a window, in order: None when the broker confirmed it."""
 
 
 @runtime_checkable
@@ -83,3 +109,21 @@ class AsyncPublisher(Protocol):
     ) -> None:
         """Close what publishing opened; the next ``publish`` opens it again."""
         return None
+
+
+@runtime_checkable
+class WindowPublisher(Protocol):
+    """A blocking publisher that pipelines: sends a window, then waits for every confirm."""
+
+    def publish_window(self, messages: Sequence[Outgoing]) -> Outcomes:
+        """Send every message, wait for their confirms together; one outcome per message."""
+        ...
+
+
+@runtime_checkable
+class AsyncWindowPublisher(Protocol):
+    """``WindowPublisher`` for asyncio: ``await publish_window(...)``."""
+
+    async def publish_window(self, messages: Sequence[Outgoing]) -> Outcomes:
+        """Send every message, wait for their confirms together; one outcome per message."""
+        ...

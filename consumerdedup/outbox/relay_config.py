@@ -25,10 +25,14 @@ class RelayConfig:
     max_backoff: timedelta = timedelta(minutes=5)
     delete_published: bool = False
     """Delete rows once published instead of stamping published_at (the pruner cleans those)."""
+    publish_window: int = 500
+    """Messages sent before the relay waits for their confirms together (a publisher that
+    pipelines: RabbitPublisher, KafkaPublisher). Larger windows pay fewer round trips to
+    the broker; a refusal re-sends at most a window's later events of the refused key."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_attempts < 1:
-            raise ConfigurationError("batch_size and max_attempts must be >= 1")
+        if self.batch_size < 1 or self.max_attempts < 1 or self.publish_window < 1:
+            raise ConfigurationError("batch_size, max_attempts and publish_window must be >= 1")
         backoff_ok = timedelta(0) <= self.initial_backoff <= self.max_backoff
         if self.poll_interval <= timedelta(0) or not backoff_ok:
             raise ConfigurationError(

@@ -7,12 +7,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigurationError, DestinationMissing, InvalidMessage
+from ..errors import InvalidMessage
 from ..reasons import describe
-from ..retry import ErrorKind, classify
 from ..schema import utcnow
+from .publisher import NotSent, Outgoing
 from .relay_config import RelayConfig
-from .sending import Sender
+from .sending import Sender, broker_away
 from .statements import RelayStatements
 
 logger = logging.getLogger("consumerdedup.relay")
@@ -39,44 +39,64 @@ class RoundPublisher:
         self.config = config
 
     def publish(self, rows: list[Any]) -> RoundResult:
-        """Publish ``rows`` in order; a failed row holds back its key's later rows."""
+        """Publish ``rows`` in id order, a window at a time; a failed row holds back its key.
+
+        Within a window the later rows of a failed row's key may already have been sent
+        (they were on the wire before its refusal came back): they are neither marked nor
+        charged, so the key restarts from the failed row, and consumers dedup the repeats
+        by event_id. Rows of a held key in later windows are not sent at all.
+        """
         result = RoundResult()
         held_keys: set[str] = set()
-        for row in rows:
-            if row.key is not None and row.key in held_keys:
-                continue  # an older row of this key failed in this round: keep the order
-            error = self._publish(row)
-            if error is None:
-                result.done.append(row.id)
-            elif _broker_away(error):
-                # The broker is away, not refusing this row: charge no attempt (a long
-                # outage must not park healthy events), end the round, back off.
-                logger.warning("broker unavailable: %s; backing off", describe(error))
-                result.broker_away = True
-                break
-            else:
-                if row.key is not None:
-                    held_keys.add(row.key)
-                result.failed.append((row, error))
+        position, window_size = 0, self.config.publish_window
+        while position < len(rows) and not result.broker_away:
+            window: list[tuple[Any, Outgoing]] = []
+            while position < len(rows) and len(window) < window_size:
+                row = rows[position]
+                position += 1
+                if row.key is not None and row.key in held_keys:
+                    continue  # an older row of this key failed in this round: keep the order
+                try:
+                    # A row written by hand with malformed headers is that row's failure
+                    # (and holds its key), never the round's.
+                    message = Outgoing(row.destination, row.body, row.key, headers_of(row))
+                except InvalidMessage as exc:
+                    self._settle(row, exc, result, held_keys)
+                    continue
+                window.append((row, message))
+            outcomes = self.sender.publish_window([message for _, message in window])
+            for (row, _), outcome in zip(window, outcomes, strict=True):
+                self._settle(row, outcome, result, held_keys)
         return result
+
+    def _settle(
+        self, row: Any, outcome: BaseException | None, result: RoundResult, held: set[str]
+    ) -> None:
+        """File one row's outcome: published, charged, or left for the next round."""
+        key = row.key
+        if key is not None and key in held:
+            return  # an older row of its key failed: sent or not, it goes again after that one
+        if outcome is None:
+            result.done.append(row.id)
+            return
+        if key is not None:
+            held.add(key)
+        if isinstance(outcome, NotSent):
+            return
+        if broker_away(outcome):
+            # The broker is away, not refusing this row: charge no attempt (a long outage
+            # must not park healthy events), end the round, back off.
+            if not result.broker_away:
+                logger.warning("broker unavailable: %s; backing off", describe(outcome))
+            result.broker_away = True
+            return
+        result.failed.append((row, outcome))
 
     def record(self, conn: Any, result: RoundResult) -> None:
         """Charge the failed rows, mark the published ones (in the caller's transaction)."""
         for row, error in result.failed:
             self._fail(conn, row, error)
         self.statements.mark_published(conn, result.done, utcnow(), self.config.delete_published)
-
-    def _publish(self, row: Any) -> BaseException | None:
-        try:
-            # Inside the handling: a row written by hand with malformed headers is that row's
-            # failure (and holds its key), never the round's.
-            headers = headers_of(row)
-            self.sender.publish(row.destination, row.body, row.key, headers)
-        except ConfigurationError:
-            raise  # the publisher cannot (re)start: the relay's fault, never the event's
-        except Exception as exc:
-            return exc
-        return None
 
     def _fail(self, conn: Any, row: Any, error: BaseException) -> None:
         attempts, now, text = row.attempts + 1, utcnow(), describe(error)
@@ -101,12 +121,6 @@ class RoundPublisher:
             logger.warning(
                 "publishing outbox event %s failed (attempt %d): %s", row.event_id, attempts, text
             )
-
-
-def _broker_away(error: BaseException) -> bool:
-    """The broker is away (transient), as opposed to refusing the event: a missing
-    destination is the event's, even where the client calls it retriable."""
-    return not isinstance(error, DestinationMissing) and classify(error) is ErrorKind.TRANSIENT
 
 
 def headers_of(row: Any) -> dict[str, str]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, DestinationMissing
 from ..event_loop import OwnLoop, loop_running
-from .publisher import AsyncPublisher, Publisher
+from ..retry import ErrorKind, classify
+from .publisher import AsyncPublisher, NotSent, Outcomes, Outgoing, Publisher, WindowPublisher
 
 T = TypeVar("T")
 
@@ -65,6 +66,58 @@ class Sender:
         else:
             publisher.publish(destination, body, key, headers)
 
+    def publish_window(self, messages: Sequence[Outgoing]) -> Outcomes:
+        """Publish a window; one outcome per message (None: confirmed), in order.
+
+        A pipelining publisher sends them all, then waits for the confirms together.
+        Any other is driven one publish at a time: after a failure, the later messages of
+        that key are NotSent (their order), and after a broker away, every later one is.
+        An error the whole window meets is every message's outcome; a ConfigurationError
+        (the publisher cannot start) is raised: the relay's fault, never an event's.
+        """
+        if not messages:
+            return []
+        self.open()
+        publisher = self.publisher
+        if not isinstance(publisher, WindowPublisher):
+            return self._one_at_a_time(messages)
+        window: Any = publisher.publish_window  # async for an AsyncPublisher
+        try:
+            outcomes: Outcomes = (
+                self._await(window(messages)) if self.is_async else window(messages)
+            )
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            return [exc] * len(messages)
+        if len(outcomes) != len(messages):
+            raise ConfigurationError(
+                f"{type(publisher).__name__}.publish_window returned {len(outcomes)} outcomes "
+                f"for {len(messages)} messages: it must return one per message"
+            )
+        return outcomes
+
+    def _one_at_a_time(self, messages: Sequence[Outgoing]) -> Outcomes:
+        outcomes: Outcomes = []
+        failed_keys: set[str] = set()
+        away = False
+        for message in messages:
+            if away or (message.key is not None and message.key in failed_keys):
+                outcomes.append(NotSent())
+                continue
+            try:
+                self.publish(*message)
+            except ConfigurationError:
+                raise
+            except Exception as exc:
+                outcomes.append(exc)
+                away = broker_away(exc)
+                if message.key is not None:
+                    failed_keys.add(message.key)
+            else:
+                outcomes.append(None)
+        return outcomes
+
     def close(self) -> None:
         """Leave the publisher's context, if entered, and close the event loop, if any."""
         entered, self._entered = self._entered, False
@@ -82,6 +135,12 @@ class Sender:
     def _await(self, awaitable: Awaitable[T]) -> T:
         self.check_thread()
         return self._loop.run(awaitable)
+
+
+def broker_away(error: BaseException) -> bool:
+    """The broker is away (transient), as opposed to refusing the event: a missing
+    destination is the event's, even where the client calls it retriable."""
+    return not isinstance(error, DestinationMissing) and classify(error) is ErrorKind.TRANSIENT
 
 
 class _BlockingOnly(Publisher):

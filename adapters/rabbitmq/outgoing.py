@@ -1,0 +1,72 @@
+"""What a published message becomes on AMQP: an exchange, a routing key, properties."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pika  # type: ignore[import-untyped]
+
+from consumerdedup import InvalidMessage
+from consumerdedup.headers import ID_HEADER
+
+from .connection import header_frame_size
+from .errors import PublishRefused
+
+PERSISTENT = pika.DeliveryMode.Persistent.value
+Prepared = tuple[str, str, bytes, Any]
+"""(exchange, routing key, body, properties) of one message."""
+
+
+def route(destination: str, key: str | None = None) -> tuple[str, str]:
+    """(exchange, routing key) of a destination.
+
+    ``"orders"``: the default exchange, so straight to the queue ``orders``;
+    ``"events/order.created"``: exchange ``events``, that routing key;
+    ``"events/"``: exchange ``events`` with ``key`` as the routing key.
+    """
+    if not isinstance(destination, str) or not destination:
+        raise InvalidMessage("destination must be a queue name or 'exchange/routing_key'")
+    exchange, slash, routing_key = destination.partition("/")
+    if not slash:
+        return "", destination
+    return exchange, routing_key or key or ""
+
+
+def prepare(
+    destination: str, key: str | None, headers: Mapping[str, str] | None
+) -> tuple[str, str, Any]:
+    """(exchange, routing key, properties) of a message; InvalidMessage without an event_id
+    that AMQP's message_id can carry."""
+    exchange, routing_key = route(destination, key)
+    headers = dict(headers or {})
+    event_id = headers.get(ID_HEADER)
+    if not isinstance(event_id, str) or not 0 < len(event_id.encode()) <= 255:
+        raise InvalidMessage(
+            f"the {ID_HEADER!r} header must be a str of 1..255 bytes (AMQP message_id), "
+            f"got {event_id!r}: consumers need it to deduplicate"
+        )
+    properties = pika.BasicProperties(
+        message_id=event_id, headers=headers, delivery_mode=PERSISTENT
+    )
+    return exchange, routing_key, properties
+
+
+def check_frame(exchange: str, properties: Any, limit: int) -> None:
+    if header_frame_size(properties) > limit:
+        # The broker would close the connection (501 FRAME_ERROR): taken for an outage,
+        # this event would hold the relay's every round, and every key behind it.
+        raise PublishRefused(
+            f"cannot publish to {exchange!r}: the message's properties and headers "
+            "exceed the connection's frame size (frame_max)"
+        )
+
+
+def fits(message: Prepared | BaseException, limit: int) -> Prepared | BaseException:
+    if isinstance(message, BaseException):
+        return message
+    try:
+        check_frame(message[0], message[3], limit)
+    except PublishRefused as exc:
+        return exc
+    return message
