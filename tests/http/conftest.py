@@ -141,6 +141,16 @@ class Server:
 @pytest.fixture(scope="module", params=SERVERS, ids=lambda k: k.name)
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     kind: ServerKind = request.param
+    try:
+        yield from serve(request, kind)
+    finally:
+        if "CDD_HTTP_REDIS_PREFIX" in kind.env:
+            drop_redis_keys(kind.env["CDD_HTTP_REDIS_PREFIX"])
+
+
+def serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
+    """A started server of ``kind`` on a database of its own (a SQLite file in WAL mode, or
+    a PostgreSQL schema), its tables installed; stopped and its database dropped after."""
     with tempfile.TemporaryDirectory() as tmp:
         if kind.database == "sqlite":
             url, schema = f"sqlite:///{tmp}/http.db", ""
@@ -159,8 +169,6 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
             yield server
         finally:
             server.stop()
-            if "CDD_HTTP_REDIS_PREFIX" in kind.env:
-                drop_redis_keys(kind.env["CDD_HTTP_REDIS_PREFIX"])
             if schema:
                 with server.engine.begin() as conn:
                     conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import make_url, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
@@ -37,7 +37,7 @@ from consumerdedup.http.asgi import SESSION_KEY
 from consumerdedup.schema import install
 from tests.http import wsgi_server
 from tests.http.asgi_apps import Backend, _answer, _read
-from tests.http.conftest import Server, ServerKind, new_key, wait_for
+from tests.http.conftest import Server, ServerKind, new_key, serve, wait_for
 
 APP_NAME = "CDD_ATTACK_APP_NAME"
 USER_ID = "CDD_ATTACK_USER_ID"
@@ -188,30 +188,10 @@ def attacked_postgresql(request: pytest.FixtureRequest) -> Iterator[Server]:
 
 
 def _serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
+    """``serve``, the server's connections named (APP_NAME) so an attack can find them."""
     app_name = f"cdd_attack_{uuid.uuid4().hex[:12]}"
     kind = ServerKind(kind.name, kind.database, {**kind.env, APP_NAME: app_name}, kind.command)
-    with tempfile.TemporaryDirectory() as tmp:
-        if kind.database == "sqlite":
-            url, schema = f"sqlite:///{tmp}/http.db", ""
-            with create_engine(url).connect() as conn:
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-        else:
-            url = request.getfixturevalue("postgres_url")
-            schema = f"h_{uuid.uuid4().hex[:12]}"
-        markers = Path(tmp) / "markers"
-        markers.mkdir()
-        server = Server(kind, url, schema, markers)
-        install(server.engine, server.tables)
-        server.runs_table.create(server.engine)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
-            if schema:
-                with server.engine.begin() as conn:
-                    conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
-            server.engine.dispose()
+    yield from serve(request, kind)
 
 
 def _keyed(key: str) -> dict[str, str]:

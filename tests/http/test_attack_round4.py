@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -30,14 +29,12 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
 from consumerdedup.http.asgi import SESSION_KEY
-from consumerdedup.schema import install
 from tests.http.asgi_apps import Backend, _answer, _read
-from tests.http.conftest import Server, ServerKind, new_key, wait_for
+from tests.http.conftest import Server, ServerKind, new_key, serve, wait_for
 
 POLICY = IdempotencyPolicy.of(
     {"/tx/*": RoutePolicy(required=True, transactional=True)},
@@ -115,47 +112,20 @@ KINDS = [
 
 @pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
 def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
-    yield from _serve(request, request.param)
+    yield from serve(request, request.param)
 
 
 @pytest.fixture(scope="module", params=KINDS[2:], ids=lambda k: k.name)
 def attacked_sqlite(request: pytest.FixtureRequest) -> Iterator[Server]:
     """The SQLite server only (SQLite serialises writers; PostgreSQL never does this)."""
-    yield from _serve(request, request.param)
+    yield from serve(request, request.param)
 
 
 @pytest.fixture(scope="module", params=KINDS[:2], ids=lambda k: k.name)
 def attacked_postgresql(request: pytest.FixtureRequest) -> Iterator[Server]:
     """The PostgreSQL servers only (on SQLite even a replay's claim takes the one write lock,
     so concurrent replays may answer 409 store-busy: docs/http.md)."""
-    yield from _serve(request, request.param)
-
-
-def _serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
-    with tempfile.TemporaryDirectory() as tmp:
-        if kind.database == "sqlite":
-            url, schema = f"sqlite:///{tmp}/http.db", ""
-            with create_engine(url).connect() as conn:
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-        else:
-            url = request.getfixturevalue("postgres_url")
-            schema = f"h_{uuid.uuid4().hex[:12]}"
-        markers = Path(tmp) / "markers"
-        markers.mkdir()
-        server = Server(kind, url, schema, markers)
-        install(server.engine, server.tables)
-        server.runs_table.create(server.engine)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
-            if schema:
-                from sqlalchemy import text
-
-                with server.engine.begin() as conn:
-                    conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
-            server.engine.dispose()
+    yield from serve(request, request.param)
 
 
 def test_a_response_with_a_header_no_server_can_replay_is_never_run_again(
