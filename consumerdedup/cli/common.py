@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,7 +31,17 @@ from .redact import Secrets, shown
 PROG = "consumerdedup"
 ENV_URL = "CONSUMERDEDUP_DB_URL"
 
+STAMP = "%Y-%m-%dT%H:%M:%SZ"
+"""When a line of a long-running command was said: UTC, ISO 8601."""
+
 log = logging.getLogger("consumerdedup.cli")
+
+
+def say(args: argparse.Namespace, line: str) -> None:
+    """``line`` on stdout, now; stamped with the time (UTC) in a long-running command."""
+    if getattr(args, "timestamps", False):
+        line = f"{time.strftime(STAMP, time.gmtime())} {line}"
+    print(line, flush=True)
 
 
 def printable(text: str) -> str:
@@ -82,8 +93,10 @@ def add_common(parser: argparse.ArgumentParser, *, nested: bool) -> None:
     pe_default = default("processed_events")
     group.add_argument("--processed-events-table", metavar="NAME", default=pe_default)
     group.add_argument("--outbox-table", metavar="NAME", default=default("outbox"))
-    verbose = "log at DEBUG; show tracebacks on errors"
+    verbose = "log at DEBUG; show tracebacks on errors (the broker clients' too)"
     group.add_argument("--verbose", action="store_true", default=default(False), help=verbose)
+    echo = "log every SQL statement that runs (SQLAlchemy's echo)"
+    group.add_argument("--echo-sql", action="store_true", default=default(False), help=echo)
 
 
 Action = tuple[

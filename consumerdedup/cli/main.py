@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from ..errors import AuthenticationFailed
 from ..reasons import authentication_refused, describe
 from . import demo, doctor, failed, init_db, outbox, prune, relay, stats
-from .common import PROG, CommandError, add_common
+from .common import PROG, STAMP, CommandError, add_common
 from .redact import Secrets
 
 log = logging.getLogger("consumerdedup.cli")
@@ -54,11 +55,15 @@ COMMANDS: tuple[Command, ...] = (
 
 
 class ScrubbingFormatter(logging.Formatter):
-    """Log lines with every password masked (the secrets the command was given, and any other)."""
+    """Log lines with every password masked (the secrets the command was given, and any other),
+    their times in UTC as ISO 8601 (``STAMP``, as ``common.say`` prints them)."""
 
     def __init__(self, fmt: str, secrets: Secrets) -> None:
         super().__init__(fmt)
         self.secrets = secrets
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return time.strftime(STAMP, time.gmtime(record.created))
 
     def format(self, record: logging.LogRecord) -> str:
         return self.secrets.scrub(super().format(record))
@@ -86,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.secrets = secrets = Secrets()
-    setup_logging(args.verbose, secrets)
+    args.timestamps = long_running(args)
+    setup_logging(args.verbose, secrets, echo_sql=args.echo_sql, timestamps=args.timestamps)
     try:
         code: int = args.run(args)
         return code
@@ -110,14 +116,61 @@ def error_line(error: Exception) -> str:
     return describe(error)
 
 
-def setup_logging(verbose: bool, secrets: Secrets) -> None:
+BROKER_CLIENTS = ("pika", "aiokafka")
+"""Loggers of the broker clients: each failed connection attempt is a line and a traceback
+there, and the command's own line says what it came to."""
+REPEAT_QUIET = 30.0
+"""Seconds a broker client's same line is not shown again (a reconnect loop says it often)."""
+
+
+class BrokerClientLines(logging.Filter):
+    """A broker client's record without its traceback, once per REPEAT_QUIET per line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shown: dict[tuple[str, object], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(BROKER_CLIENTS):
+            return True
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        key, now = (record.name, record.msg), time.monotonic()
+        if now - self._shown.get(key, -REPEAT_QUIET) < REPEAT_QUIET:
+            return False
+        self._shown[key] = now
+        return True
+
+
+def setup_logging(
+    verbose: bool, secrets: Secrets, *, echo_sql: bool = False, timestamps: bool = False
+) -> None:
+    """Lines on stderr with their passwords masked; ``timestamps`` for a long-running
+    command (every line says when, the broker clients' warnings shown without their
+    tracebacks), ``verbose`` for DEBUG and the broker clients' own tracebacks,
+    ``echo_sql`` for the SQL that runs."""
     handler = logging.StreamHandler(sys.stderr)
-    detail = "%(asctime)s %(levelname)s %(name)s" if verbose else PROG + ": %(levelname)s"
+    detail = "%(levelname)s %(name)s" if verbose else PROG + ": %(levelname)s"
+    if verbose or timestamps:
+        detail = "%(asctime)s " + detail
     handler.setFormatter(ScrubbingFormatter(detail + ": %(message)s", secrets))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler])
     warnings.showwarning = _show_warning
-    if verbose:  # SQLAlchemy quiets itself to WARNING; INFO shows the SQL it runs
+    if not verbose:
+        # A long run's log shows the client's reconnects (one line each, repeats collapsed);
+        # a one-shot command's own error line says what they came to: one line, exit 1.
+        handler.addFilter(BrokerClientLines())
+        for name in BROKER_CLIENTS:
+            logging.getLogger(name).setLevel(logging.WARNING if timestamps else logging.CRITICAL)
+    if echo_sql:  # SQLAlchemy quiets itself to WARNING; INFO shows the SQL it runs
         logging.getLogger("sqlalchemy.engine").setLevel(logging.INFO)
+
+
+def long_running(args: argparse.Namespace) -> bool:
+    """``relay`` without ``--once`` and ``prune --every``: they run for days, their lines
+    go to a log collector that needs to know when each was said."""
+    if args.run is relay.run:
+        return not args.once
+    return args.run is prune.run and args.every is not None
 
 
 def _show_warning(

@@ -24,9 +24,10 @@ from ..prune.idempotency import EXPIRY
 from ..prune.pruner import Pruner
 from ..prune.report import PruneProgress, PruneReport
 from ..prune.windows import UnknownConsumer
-from .common import UsageError, open_database, parse_duration, parse_windows, require_tables
+from .common import UsageError, open_database, parse_duration, parse_windows, require_tables, say
 from .redact import shown
 from .retention import read_retention
+from .status import add_long_running, serving
 
 NAME = "prune"
 HELP = "delete dedup records older than retention + buffer, once or --every"
@@ -95,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--every", metavar="DURATION", help="run as a worker: a round every DURATION until SIGTERM"
     )
     parser.add_argument("--dry-run", action="store_true", help="count what would be deleted")
+    add_long_running(parser, status_every=False)
     parser.add_argument(
         "--progress-every",
         metavar="DURATION",
@@ -144,20 +146,50 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = PrunerConfig(broker or retention, buffer, **settings)
         pruner = Pruner(
-            engine, config=config, tables=tables, progress=_progress_printer(progress or ZERO)
+            engine,
+            config=config,
+            tables=tables,
+            progress=_progress_printer(args, progress or ZERO),
         )
         pruner.check_consumers()
     except (UnknownConsumer, ConfigurationError) as error:
         raise UsageError(str(error)) from None
-    print(f"{shown(url)}: {config.describe()}", flush=True)
+    say(args, f"{shown(url)}: {config.describe()}")
     pruner.on_signals()
     if every is None:
-        _print_report(pruner, pruner.run_once())
+        _print_report(args, pruner, pruner.run_once())
         return 0
-    print(f"running every {render(every)} until SIGTERM", flush=True)
-    pruner.run(every, on_report=lambda report: _print_report(pruner, report))
-    print("stopped", flush=True)
+    said = Totals()
+
+    def report(found: PruneReport) -> None:
+        said.add(found)
+        _print_report(args, pruner, found)
+
+    with serving(args, engine, tables, said.counters):
+        say(args, f"running every {render(every)} until SIGTERM")
+        try:
+            pruner.run(every, on_report=report)
+        finally:
+            say(args, f"pruner stopped after {said.rounds} round(s): {said.rows:,} rows deleted")
     return 0
+
+
+class Totals:
+    """What ``prune --every`` did since it started, for its stop line and ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.rounds = self.rows = 0
+
+    def add(self, report: PruneReport) -> None:
+        self.rounds += 1
+        if not report.dry_run:
+            self.rows += sum(report.deleted.values()) + report.outbox + report.idempotency_keys
+
+    def counters(self) -> dict[str, tuple[str, float]]:
+        return {
+            "prune_rounds": ("Pruner rounds since it started", float(self.rounds)),
+            "prune_deleted_rows": ("Rows the pruner deleted since it started", float(self.rows)),
+        }
 
 
 def _settings(args: argparse.Namespace) -> PrunerSettings:
@@ -176,10 +208,10 @@ def _settings(args: argparse.Namespace) -> PrunerSettings:
     return settings
 
 
-def _print_report(pruner: Pruner, report: PruneReport) -> None:
+def _print_report(args: argparse.Namespace, pruner: Pruner, report: PruneReport) -> None:
     events, outbox = pruner.tables.processed_events.fullname, pruner.tables.outbox.fullname
     if report.skipped:
-        print(f"skipped: another pruner holds the lock on {events}", flush=True)
+        say(args, f"skipped: another pruner holds the lock on {events}")
         return
     verb = "would delete" if report.dry_run else "deleted"
     per = ", ".join(f"{c} {n:,}" for c, n in sorted(report.deleted.items()) if n)
@@ -190,10 +222,10 @@ def _print_report(pruner: Pruner, report: PruneReport) -> None:
     keys = pruner.tables.idempotency_keys.fullname
     line += f" and {report.outbox:,} published rows from {outbox}"
     line += f", {report.idempotency_keys:,} expired keys from {keys} in {report.seconds:.1f}s"
-    print(line + (" (stopped early)" if report.stopped else ""), flush=True)
+    say(args, line + (" (stopped early)" if report.stopped else ""))
 
 
-def _progress_printer(every: timedelta) -> Callable[[PruneProgress], Any]:
+def _progress_printer(args: argparse.Namespace, every: timedelta) -> Callable[[PruneProgress], Any]:
     """At most one line per ``every`` of a round (``progress.seconds`` counts from its start)."""
     shown_at = [0.0]
 
@@ -202,10 +234,10 @@ def _progress_printer(every: timedelta) -> Callable[[PruneProgress], Any]:
             shown_at[0] = 0.0
         if progress.seconds - shown_at[0] >= every.total_seconds():
             shown_at[0] = progress.seconds
-            print(
+            say(
+                args,
                 f"... {progress.deleted:,} rows deleted from {progress.table} so far "
                 f"({progress.rate:,.0f} rows/s)",
-                flush=True,
             )
 
     return show

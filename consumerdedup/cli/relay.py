@@ -17,8 +17,9 @@ from ..errors import ConfigurationError
 from ..outbox.publisher import AsyncPublisher, Publisher
 from ..outbox.relay import OutboxRelay, RelayConfig
 from ..reasons import describe
-from .common import CommandError, Renamed, UsageError, open_database, require_tables
+from .common import CommandError, Renamed, UsageError, open_database, require_tables, say
 from .redact import shown
+from .status import add_long_running, running
 
 NAME = "relay"
 HELP = "publish committed outbox rows to Kafka or RabbitMQ until SIGTERM (or --once)"
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Kafka: for brokers without idempotent producers (such as Tansu)",
     )
+    add_long_running(parser, status_every=True)
 
 
 def _publisher(args: argparse.Namespace) -> Publisher | AsyncPublisher:
@@ -78,9 +80,6 @@ def _publisher(args: argparse.Namespace) -> Publisher | AsyncPublisher:
         adapter = importlib.import_module(f"consumerdedup.adapters.{broker}")
     except ImportError as error:
         raise UsageError(describe(error)) from None
-    if not args.verbose:  # the drivers log each failure with a traceback: our one line says it
-        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-        logging.getLogger("pika").setLevel(logging.CRITICAL)
     publisher: Publisher | AsyncPublisher
     # A bad address is the command line's fault, said now (exit 2), not charged to events.
     try:
@@ -133,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
             _once_status(args, relay.broker_away, count, waiting)
         else:
             relay.on_signals()
-            print(f"relay running on {shown(url)}; SIGTERM or SIGINT stops it", flush=True)
-            relay.run()
+            say(args, f"relay running on {shown(url)}; SIGTERM or SIGINT stops it")
+            with running(args, engine, tables, lambda: relay.published):
+                relay.run()
         parked = relay.parked()
     if parked:
         log.error("%d event(s) parked after repeated failures: %s", len(parked), parked[:5])

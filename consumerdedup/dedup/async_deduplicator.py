@@ -10,7 +10,7 @@ from typing import Any, overload
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from ..db import dialects
+from ..db import before_commit, dialects
 from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
@@ -142,6 +142,7 @@ class AsyncDedupHandler:
 
     async def _attempt(self, batch: Batch) -> AttemptReport:
         async with self.dedup.session_factory() as session:
+            before_commit.open_queue(session)  # outbox key locks: in one order, at COMMIT
             return await self._drive(self._pipeline.attempt(batch), session)
 
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
@@ -169,8 +170,10 @@ class AsyncDedupHandler:
             case CallHandler(message):
                 return await self._call(message, session)
             case Commit():
+                await before_commit.flush_async(session)
                 return await session.commit()
             case Rollback():
+                before_commit.discard(session)
                 return await session.rollback()
 
     async def _call(self, message: Message, session: AsyncSession) -> None:

@@ -11,7 +11,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..db import dialects, sqlite
+from ..db import before_commit, dialects, sqlite
 from ..errors import AuthenticationFailed, ConfigurationError
 from ..message import Message
 from ..outcome import Outcome, Result
@@ -150,6 +150,7 @@ class DedupHandler:
 
     def _attempt(self, batch: Batch) -> AttemptReport:
         with self.dedup.session_factory() as session:
+            before_commit.open_queue(session)  # outbox key locks: in one order, at COMMIT
             return self._drive(self._pipeline.attempt(batch), session)
 
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
@@ -177,8 +178,10 @@ class DedupHandler:
             case CallHandler(message):
                 return self._call(message, session)
             case Commit():
+                before_commit.flush(session)
                 return session.commit()
             case Rollback():
+                before_commit.discard(session)
                 return session.rollback()
 
     def _call(self, message: Message, session: Session) -> None:

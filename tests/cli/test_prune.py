@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -219,8 +220,10 @@ def test_every_runs_rounds_until_sigterm_then_exits_0(db: Database) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
-    rest = wait_for_line(lines, "stopped", timeout=10)
-    assert rest[-1].strip() == "stopped"
+    rest = wait_for_line(lines, "pruner stopped", timeout=10)
+    assert "pruner stopped after 1 round(s): " in rest[-1], rest
+    stamp = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ")  # a long run's every line
+    assert all(stamp.match(line) for line in [*seen, *rest]), [*seen, *rest]
     assert process.stderr is not None and process.stderr.read() == ""
     assert ages(db, "ledger") == set(range(8))
 
