@@ -24,7 +24,7 @@ import httpx
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
-from consumerdedup.schema import install
+from consumerdedup.schema import Tables, install
 from tests.http import wsgi_server
 from tests.http.asgi_apps import count_runs, tables_for
 from tests.http.stores import drop_redis_keys, redis_env
@@ -173,6 +173,26 @@ def serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
                 with server.engine.begin() as conn:
                     conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
             server.engine.dispose()
+
+
+def serve_wsgi(
+    folder: Path, app: str, prefix: str
+) -> Iterator[tuple[wsgi_server.WsgiServer, Path]]:
+    """``app`` ("module:factory") under waitress on a SQLite store of its own in ``folder``:
+    the factory reads the store's URL from ``{prefix}_DB`` and appends each run's name to
+    the file at ``{prefix}_RUNS``, which is yielded with the server (``runs_in`` counts)."""
+    url = f"sqlite:///{folder / 'keys.db'}"
+    install(create_engine(url), Tables.define())
+    runs = folder / "runs.txt"
+    runs.touch()
+    env = {f"{prefix}_DB": url, f"{prefix}_RUNS": str(runs)}
+    with wsgi_server.WsgiServer(app, env) as running:
+        yield running, runs
+
+
+def runs_in(runs: Path, name: str) -> int:
+    """How many times the app of ``serve_wsgi`` ran ``name``."""
+    return runs.read_text().splitlines().count(name)
 
 
 def new_key() -> str:

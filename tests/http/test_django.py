@@ -21,7 +21,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine
 
-from consumerdedup import Tables, install
+from tests.http.conftest import runs_in, serve_wsgi
 from tests.http.wsgi_server import WsgiServer
 
 pytest.importorskip("django")
@@ -83,18 +83,9 @@ def make_app() -> Any:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WsgiServer, Path]]:
-    folder = tmp_path_factory.mktemp("django")
-    url = f"sqlite:///{folder / 'keys.db'}"
-    install(create_engine(url), Tables.define())
-    runs = folder / "runs.txt"
-    runs.touch()
-    env = {"CDD_DJANGO_DB": url, "CDD_DJANGO_RUNS": str(runs)}
-    with WsgiServer("tests.http.test_django:make_app", env) as running:
-        yield running, runs
-
-
-def runs_of(runs: Path, name: str) -> int:
-    return runs.read_text().splitlines().count(name)
+    yield from serve_wsgi(
+        tmp_path_factory.mktemp("django"), "tests.http.test_django:make_app", "CDD_DJANGO"
+    )
 
 
 def test_a_django_view_runs_once_and_its_retry_is_replayed(
@@ -102,7 +93,7 @@ def test_a_django_view_runs_once_and_its_retry_is_replayed(
 ) -> None:
     running, runs = server
     key = {"Idempotency-Key": uuid.uuid4().hex}
-    before = runs_of(runs, "pay")
+    before = runs_in(runs, "pay")
     with httpx.Client(base_url=running.url, timeout=10) as client:
         first = client.post("/pay", json={"amount": 5}, headers=key)
         again = client.post("/pay", json={"amount": 5}, headers=key)
@@ -120,14 +111,14 @@ def test_a_django_view_runs_once_and_its_retry_is_replayed(
     assert other.status_code == 422
     assert other.headers["content-type"] == "application/problem+json"
     assert missing.status_code == 400
-    assert runs_of(runs, "pay") == before + 1
+    assert runs_in(runs, "pay") == before + 1
 
 
 def test_a_django_500_is_not_stored_and_the_retry_runs(server: tuple[WsgiServer, Path]) -> None:
     running, runs = server
     key = {"Idempotency-Key": uuid.uuid4().hex}
-    before = runs_of(runs, "boom")
+    before = runs_in(runs, "boom")
     with httpx.Client(base_url=running.url, timeout=10) as client:
         answers = [client.post("/boom", content=b"x", headers=key).status_code for _ in range(2)]
     assert answers == [500, 500]
-    assert runs_of(runs, "boom") == before + 2
+    assert runs_in(runs, "boom") == before + 2

@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from consumerdedup import ConfigurationError, Tables, install
 from consumerdedup.http import IdempotencyPolicy, RoutePolicy, WSGIIdempotencyMiddleware
 from consumerdedup.http.redis_store import AsyncRedisStore
+from tests.http.conftest import runs_in, serve_wsgi
 from tests.http.wsgi_server import WsgiServer
 
 
@@ -56,18 +57,9 @@ def make_app() -> Any:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WsgiServer, Path]]:
-    folder = tmp_path_factory.mktemp("wsgi")
-    url = f"sqlite:///{folder / 'keys.db'}"
-    install(create_engine(url), Tables.define())
-    runs = folder / "runs.txt"
-    runs.touch()
-    env = {"CDD_WSGI_DB": url, "CDD_WSGI_RUNS": str(runs)}
-    with WsgiServer("tests.http.test_wsgi:make_app", env) as running:
-        yield running, runs
-
-
-def ran(runs: Path, path: str) -> int:
-    return runs.read_text().splitlines().count(path)
+    yield from serve_wsgi(
+        tmp_path_factory.mktemp("wsgi"), "tests.http.test_wsgi:make_app", "CDD_WSGI"
+    )
 
 
 def test_a_chunked_body_is_read_whole_fingerprinted_and_replayed(
@@ -75,7 +67,7 @@ def test_a_chunked_body_is_read_whole_fingerprinted_and_replayed(
 ) -> None:
     running, runs = server
     key, parts = uuid.uuid4().hex, [b"a" * 70_000, b"b" * 70_000, b"end"]
-    before = ran(runs, "/echo")
+    before = runs_in(runs, "/echo")
 
     def send(chunks: list[bytes]) -> httpx.Response:
         return httpx.post(
@@ -90,7 +82,7 @@ def test_a_chunked_body_is_read_whole_fingerprinted_and_replayed(
     again = send(parts)
     assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
     assert send([*parts[:2], b"END"]).status_code == 422  # the last chunk counts
-    assert ran(runs, "/echo") == before + 1
+    assert runs_in(runs, "/echo") == before + 1
 
 
 def test_a_response_written_with_write_is_held_and_replayed(
@@ -105,7 +97,7 @@ def test_a_response_written_with_write_is_held_and_replayed(
     assert [c.content for c in calls] == [b"written: x"] * 2
     assert "idempotent-replayed" not in calls[0].headers
     assert calls[1].headers["idempotent-replayed"] == "true"
-    assert ran(runs, "/legacy") == 1
+    assert runs_in(runs, "/legacy") == 1
 
 
 def test_an_app_that_raises_answers_500_and_the_retry_runs_again(
@@ -116,7 +108,7 @@ def test_an_app_that_raises_answers_500_and_the_retry_runs_again(
     for _ in range(2):
         answer = httpx.post(running.url + "/boom", content=b"x", headers={"Idempotency-Key": key})
         assert answer.status_code == 500 and "idempotent-replayed" not in answer.headers
-    assert ran(runs, "/boom") == 2  # the claim was released: nothing stored, never stuck
+    assert runs_in(runs, "/boom") == 2  # the claim was released: nothing stored, never stuck
 
 
 def _app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
