@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, Table, case, func, select
+from sqlalchemy import Engine, Table, select
 
-from ..db.partitions import DayPartitions
 from ..prune.idempotency import IN_FLIGHT
-from ..schema import Tables
+from ..telemetry.readings import Readings
+from ..telemetry.readings import count_of as _count
 from .common import open_database, require_tables
 from .outbox import require_columns
 from .redact import shown
@@ -25,61 +26,13 @@ HELP = "counts per consumer, of the outbox and of the HTTP idempotency keys"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def _utc(value: datetime) -> datetime:
-    """SQLite gives back naive datetimes; the library always writes UTC."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
-def _iso(value: datetime | None) -> str | None:
-    return _utc(value).isoformat() if value is not None else None
-
-
-def _count(condition: Any) -> Any:
-    return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
-
-
-def consumer_stats(engine: Engine, pe: Table) -> list[dict[str, Any]]:
-    at = pe.c.processed_at
-    query = (
-        select(pe.c.consumer, _count(pe.c.outcome == "processed"), _count(pe.c.outcome == "failed"))
-        .add_columns(func.min(at), func.max(at))
-        .group_by(pe.c.consumer)
-        .order_by(pe.c.consumer)
+    parser.add_argument(
+        "--format",
+        choices=("table", "json", "prometheus"),
+        default="table",
+        help="table (default), json (as --json), or prometheus: the gauges in the Prometheus "
+        "text format, for a node-exporter textfile collector (consumerdedup[prometheus])",
     )
-    with engine.connect() as conn:
-        rows = conn.execute(query).all()
-    keys = ("consumer", "processed", "failed", "oldest", "newest")
-    return [
-        dict(zip(keys, (c, int(p), int(f), _iso(lo), _iso(hi)), strict=True))
-        for c, p, f, lo, hi in rows
-    ]
-
-
-def outbox_stats(engine: Engine, ob: Table) -> dict[str, Any]:
-    """Unpublished counts what still waits to go out (parked rows too, not abandoned ones)."""
-    not_out, abandoned = ob.c.published_at.is_(None), ob.c.abandoned_at.is_not(None)
-    pending = not_out & ~abandoned
-    query = select(
-        _count(pending),
-        _count(~not_out),
-        _count(pending & (ob.c.attempts > 0)),
-        func.min(case((pending, ob.c.created_at))),
-        _count(pending & ob.c.parked_at.is_not(None)),
-        _count(not_out & abandoned),
-    )
-    with engine.connect() as conn:
-        unpublished, published, failing, oldest, parked, gone = conn.execute(query).one()
-    age = (datetime.now(UTC) - _utc(oldest)).total_seconds() if oldest is not None else None
-    return {
-        "unpublished": int(unpublished),
-        "published": int(published),
-        "failing": int(failing),
-        "parked": int(parked),
-        "abandoned": int(gone),
-        "oldest_unpublished_age_seconds": None if age is None else round(age, 3),
-    }
 
 
 def key_stats(engine: Engine, ik: Table) -> dict[str, int]:
@@ -124,11 +77,16 @@ def run(args: argparse.Namespace) -> int:
     require_tables(engine, tables)
     pe, ob = tables.processed_events, tables.outbox
     require_columns(engine, ob)
-    consumers, outbox = consumer_stats(engine, pe), outbox_stats(engine, ob)
+    readings = Readings.take(engine, tables)
+    if args.format == "prometheus":
+        from ..telemetry.prometheus import exposition
+
+        sys.stdout.write(exposition(readings, tables))
+        return 0
+    consumers, outbox, days = readings.consumers, readings.outbox, readings.partitions
     ik = tables.idempotency_keys
     keys = key_stats(engine, ik)
-    days = _partition_stats(engine, tables)
-    if args.json:
+    if args.json or args.format == "json":
         processed: dict[str, Any] = {"table": pe.fullname, "consumers": consumers}
         if days is not None:
             processed["partitioned"] = days
@@ -139,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps({"database": shown(url), **report}, indent=2))
         return 0
-    rows = [list(c.values()) for c in consumers]
+    keys_shown = ("consumer", "processed", "failed", "oldest", "newest")
+    rows = [[c[k] for k in keys_shown] for c in consumers]
     headers = ["consumer", "processed", "failed", "oldest processed_at", "newest processed_at"]
     print(f"database: {shown(url)}\n\nprocessed events ({pe.fullname}):")
     print(_table(headers, rows) if rows else "(no records)")
@@ -165,10 +124,3 @@ def run(args: argparse.Namespace) -> int:
     headers.append("of them not stored")
     print(_table(headers, [[keys[k] for k in KEY_COLUMNS]]))
     return 0
-
-
-def _partition_stats(engine: Engine, tables: Tables) -> dict[str, Any] | None:
-    if engine.dialect.name != "postgresql":
-        return None
-    with engine.connect() as conn:
-        return DayPartitions(tables.processed_events).summary(conn)

@@ -29,7 +29,7 @@ def relay_line(engine: Engine, tables: Tables, published: int) -> str:
     outbox = outbox_stats(engine, tables.outbox)
     age = outbox["oldest_unpublished_age_seconds"]
     waiting = outbox["unpublished"] - outbox["parked"]
-    oldest = "-" if age is None else f"{age:.0f}s"
+    oldest = "-" if age is None or not waiting else f"{age:.0f}s"  # parked rows count too
     return (
         f"published {published:,} since start, {waiting:,} waiting (oldest {oldest}), "
         f"{outbox['parked']:,} parked"
