@@ -21,7 +21,10 @@ BODY_DROPPED_HEADER = "x-dead-letter-body-dropped"
 """On a dead letter sent without its body (the value), because the broker refused the full
 copy for good: why it refused it."""
 
-_OURS = frozenset({REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER, PARTITION_HEADER, OFFSET_HEADER})
+OUR_HEADERS = frozenset(
+    {REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER, PARTITION_HEADER, OFFSET_HEADER}
+)
+"""The headers a dead letter carries of ours (the source's own of these names are dropped)."""
 
 
 def coordinates(record: Any) -> str:
@@ -148,7 +151,7 @@ def dead_letter_headers(record: Any, reason: str, consumer: str) -> list[tuple[s
     kept = [
         (name, value or b"")
         for name, value in _header_pairs(record)
-        if name not in _OURS and isinstance(name, str) and isinstance(value, bytes | None)
+        if name not in OUR_HEADERS and isinstance(name, str) and isinstance(value, bytes | None)
     ]
     return [
         *kept,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import os
@@ -15,22 +14,19 @@ import pika.exceptions  # type: ignore[import-untyped]
 
 from consumerdedup import ConfigurationError, Message, Outcome
 from consumerdedup.dedup.processing import BlockingProcessor, Handler
-from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
-from consumerdedup.reasons import REASON_LIMIT
 
+from . import acks, retry_later, subscription
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
-from .connection import close_quietly, connect, frame_max, header_frame_size, parameters
-from .convert import BODY_DROPPED_HEADER, Delivery, dead_letter_properties, to_message
-from .errors import PublishFailed, PublishNacked, PublishRefused, TopologyError, Unroutable
-from .publisher import channel_closed
+from .connection import close_quietly, connect, parameters
+from .convert import Delivery, to_message
+from .dead_letters import DeadLetters
+from .errors import TopologyError
+from .retry_later import POLL, RetrySchedule
 
 log = logging.getLogger("consumerdedup.rabbitmq")
 
-POLL = 0.1
-"""Longest wait on the socket, so stop() from another thread or a signal is seen quickly."""
 _LOST = (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError)
-_RETRY_MEMORY = 10_000
 _names = itertools.count(1)
 
 
@@ -74,9 +70,9 @@ class RabbitConsumerRunner(ConsumerRunner):
         self._params = parameters(url, config.connection_options, self.name)
         self.reconnects = 0
         self._cancelled = False
-        self._retries: dict[str, int] = {}  # consecutive RETRYs per id, for the backoff
+        self._schedule = RetrySchedule(config.redelivery_backoff)
         self._progress = False  # something was acked on the current connection
-        self._dead_letters: Any = None  # the publishing channel of the current connection
+        self._dead_letters = DeadLetters(config, queue, consumer, self._params)
 
     def run(self, *, until_idle: bool = False) -> None:
         """Consume until stop() (or SIGTERM/SIGINT after ``on_signals()``).
@@ -121,7 +117,7 @@ class RabbitConsumerRunner(ConsumerRunner):
         if connection is None:  # stop() came first
             return
         try:
-            self._declare(connection.channel())
+            subscription.declare(connection.channel(), self.queue, self.config)
         except pika.exceptions.ChannelClosedByBroker as exc:
             raise TopologyError(f"cannot declare {self.queue!r}: {exc.reply_text}") from exc
         finally:
@@ -138,8 +134,8 @@ class RabbitConsumerRunner(ConsumerRunner):
 
     def _consume(self, connection: Any, until_idle: bool) -> None:
         buffer: deque[Delivery] = deque()
-        channel = self._open(connection, buffer)
-        self._dead_letters = None
+        channel = self._subscribe(connection, buffer)
+        self._dead_letters.reconnected()
         idle = self.config.idle_timeout.total_seconds()
         idle_since = time.monotonic()
         while not self.stopping:
@@ -152,49 +148,20 @@ class RabbitConsumerRunner(ConsumerRunner):
                 self._handle(connection, channel, [buffer.popleft() for _ in range(size)])
                 idle_since = time.monotonic()
             elif until_idle and time.monotonic() - idle_since >= idle:
-                if self._ready(channel) == 0:
+                if subscription.ready(channel, self.queue) == 0:
                     return
                 idle_since = time.monotonic()
 
-    def _open(self, connection: Any, buffer: deque[Delivery]) -> Any:
-        """Channel, topology, qos, confirms and the consumer; a refusal here is not retried."""
-
-        def deliver(_channel: Any, method: Any, properties: Any, body: bytes) -> None:
-            buffer.append(Delivery(method, properties, body))
-
-        def cancelled(_frame: Any) -> None:
+    def _subscribe(self, connection: Any, buffer: deque[Delivery]) -> Any:
+        def cancelled() -> None:
             self._cancelled = True
 
         self._cancelled = False
-        channel = connection.channel()
-        try:
-            if self.config.declare:
-                self._declare(channel)
-            channel.basic_qos(prefetch_count=self.config.prefetch)
-            channel.confirm_delivery()  # dead letters are confirmed before the original's ack
-            channel.add_on_cancel_callback(cancelled)
-            channel.basic_consume(self.queue, deliver, auto_ack=False)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            raise TopologyError(f"cannot consume {self.queue!r}: {exc.reply_text}") from exc
+        channel = subscription.subscribe(
+            connection, self.queue, self.config, buffer.append, cancelled
+        )
         log.info("%s consuming %r (prefetch %d)", self.name, self.queue, self.config.prefetch)
         return channel
-
-    def _declare(self, channel: Any) -> None:
-        exchange, dlq = self.config.dead_letter_exchange, self.dead_letter_queue
-        if exchange:
-            channel.exchange_declare(exchange, exchange_type="direct", durable=True)
-        channel.queue_declare(dlq, durable=True)
-        if exchange:
-            channel.queue_bind(dlq, exchange, routing_key=dlq)
-        arguments = {
-            "x-dead-letter-exchange": exchange,
-            "x-dead-letter-routing-key": dlq,
-            **self.config.queue_arguments,
-        }
-        channel.queue_declare(self.queue, durable=True, arguments=arguments)
-
-    def _ready(self, channel: Any) -> int:
-        return int(channel.queue_declare(self.queue, passive=True).method.message_count)
 
     def _handle(self, connection: Any, channel: Any, batch: Sequence[Delivery]) -> None:
         converted = [to_message(delivery, self.queue, self.config) for delivery in batch]
@@ -203,122 +170,18 @@ class RabbitConsumerRunner(ConsumerRunner):
         retry: list[tuple[Delivery, Message]] = []
         for delivery, (message, _), result in zip(batch, converted, results, strict=True):
             if result.outcome is Outcome.FAILED:
-                if not self._dead_letter(connection, delivery, result.reason or "failed"):
+                if not self._dead_letters.send(connection, delivery, result.reason or "failed"):
                     retry.append((delivery, message))
             elif result.outcome is Outcome.RETRY:
                 retry.append((delivery, message))
             else:
-                self._retries.pop(str(message.id), None)
+                self._schedule.settled(message)
         if not retry:
-            channel.basic_ack(batch[-1].tag, multiple=len(batch) > 1)
+            acks.ack_all(channel, batch)
             self._progress = True
             return
         held = {delivery.tag for delivery, _ in retry}
-        for delivery in batch:
-            if delivery.tag not in held:
-                channel.basic_ack(delivery.tag)
-                self._progress = True
-        self._wait(connection, self._backoff([message for _, message in retry]))
-        for delivery, _ in retry:
-            channel.basic_nack(delivery.tag, requeue=True)
-
-    def _dead_letter(self, connection: Any, delivery: Delivery, reason: str) -> bool:
-        """Publish a copy with the reason to the dead-letter queue; True once it is confirmed,
-        or once it can never be: a refusal for good (over the broker's max_message_size, no
-        access, properties over the frame size) must not hold the queue, so a copy without the
-        body goes, then a bare one (no original header either); if that is refused too the
-        loss is logged at ERROR (the FAILED record is kept). False for a failure that may pass
-        (no DLQ or exchange yet, a nack): the message backs off.
-
-        On a channel of its own: a refused publish closes that channel only, so the
-        consuming channel keeps its deliveries and can still ack the batch-mates.
-        """
-        properties = dead_letter_properties(delivery, reason, self.processor.consumer, self.queue)
-        body, refused = delivery.body, list[PublishFailed]()
-        for copy_number in range(3):
-            if copy_number:
-                properties = copy.copy(properties)
-                kept = properties.headers if copy_number == 1 else _ours(properties.headers)
-                properties.headers = {**kept, BODY_DROPPED_HEADER: str(refused[0])[:REASON_LIMIT]}
-                body = b""
-            error = self._publish_dead_letter(connection, body, properties)
-            if error is None:
-                if refused:
-                    log.error(
-                        "dead-lettered a message of %r to %r without its body%s, which was "
-                        "refused: %s",
-                        self.queue,
-                        self.dead_letter_queue,
-                        "" if copy_number == 1 else " and headers",
-                        refused[0],
-                    )
-                return True
-            if not isinstance(error, PublishRefused):
-                self._log_unsent(error)
-                return False
-            refused.append(error)
-        log.error(
-            "cannot dead-letter a message of %r to %r, not even without its body (%s): it is "
-            "not dead-lettered, its FAILED record is kept",
-            self.queue,
-            self.dead_letter_queue,
-            "; then ".join(str(e) for e in refused),
-        )
-        return True
-
-    def _publish_dead_letter(
-        self, connection: Any, body: bytes, properties: Any
-    ) -> PublishFailed | None:
-        """Publish and wait for the confirm; the failure, if any, as one of our errors."""
-        exchange = self.config.dead_letter_exchange
-        if header_frame_size(properties) > frame_max(connection, self._params):
-            # The broker would close the whole connection (501 FRAME_ERROR), and the message
-            # would come back after the reconnect, again and again.
-            return PublishRefused("the copy's properties and headers exceed the frame size")
-        try:
-            if self._dead_letters is None or not self._dead_letters.is_open:
-                self._dead_letters = connection.channel()
-                self._dead_letters.confirm_delivery()
-            self._dead_letters.basic_publish(
-                exchange, self.dead_letter_queue, body, properties, mandatory=True
-            )
-        except pika.exceptions.UnroutableError:
-            return Unroutable(f"no dead-letter queue {self.dead_letter_queue!r} is bound")
-        except pika.exceptions.NackError:
-            return PublishNacked(f"the broker refused a dead letter to {exchange!r}")
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            return channel_closed(exc, exchange)
-        return None
-
-    def _log_unsent(self, error: PublishFailed) -> None:
-        log.error(
-            "cannot dead-letter a message of %r (%s); it stays in the queue for redelivery "
-            "(RabbitConfig(declare=True) declares a missing dead-letter queue or exchange)",
-            self.queue,
-            error,
-        )
-
-    def _backoff(self, messages: Sequence[Message]) -> float:
-        """The longest wait of ``messages``, each by its RETRYs in a row."""
-        backoff = self.config.redelivery_backoff
-        wait = 0.0
-        for message in messages:
-            key = str(message.id)
-            count = self._retries[key] = self._retries.pop(key, 0) + 1
-            wait = max(wait, backoff.delay(count))
-        while len(self._retries) > _RETRY_MEMORY:
-            del self._retries[next(iter(self._retries))]
-        return wait
-
-    def _wait(self, connection: Any, seconds: float) -> None:
-        """Sleep while answering heartbeats; stop() cuts it short."""
-        deadline = time.monotonic() + seconds
-        while not self.stopping and (left := deadline - time.monotonic()) > 0:
-            connection.process_data_events(time_limit=min(left, POLL))
-
-
-_OURS = (REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER)
-
-
-def _ours(headers: dict[str, Any]) -> dict[str, Any]:
-    return {name: value for name, value in headers.items() if name in _OURS}
+        self._progress |= acks.ack_decided(channel, batch, held)
+        delay = self._schedule.delay(message for _, message in retry)
+        retry_later.wait(connection, delay, lambda: self.stopping)
+        acks.requeue(channel, [delivery for delivery, _ in retry])

@@ -1,0 +1,60 @@
+"""Acknowledging on Kafka: committing a partition's offset, seeking back, and telling lag 0.
+
+An offset is committed only after the database commit of everything before it; a commit
+that fails (typically a rebalance that gave the partition away) commits nothing: the new
+owner reads from the last commit and the dedup table answers the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import TopicPartition  # type: ignore[import-untyped]
+from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+
+from consumerdedup.reasons import describe
+
+logger = logging.getLogger("consumerdedup.kafka")
+
+
+async def commit(consumer: Any, tp: Any, offset: int) -> bool:
+    """Commit ``tp`` at ``offset``; False (logged) if the broker did not take it."""
+    try:
+        await consumer.commit({tp: offset})
+        return True
+    except KafkaError as exc:
+        logger.warning("offset commit of %s at %d failed: %s", tp, offset, describe(exc))
+        return False
+
+
+def seek(consumer: Any, tp: Any, offset: int) -> None:
+    """Read ``tp`` again from ``offset``, if it is still assigned."""
+    if tp in consumer.assignment():
+        consumer.seek(tp, offset)
+
+
+async def drained(consumer: Any, topics: Sequence[str]) -> bool:
+    """The group's committed offsets reach the end of every partition of ``topics``."""
+    partitions = [tp for topic in topics for tp in _partitions(consumer, topic)]
+    if not partitions:
+        return False
+    ends = await consumer.end_offsets(partitions)
+    assigned = consumer.assignment()
+    for tp in partitions:
+        end = ends[tp]
+        if tp in assigned:
+            # The high watermark of the last fetch: some brokers (Tansu 0.6) answer
+            # ListOffsets with the start of the last record batch plus one.
+            seen = consumer.highwater(tp)
+            if seen is None:
+                return False  # not fetched yet since the assignment
+            end = max(end, seen)
+        if ((await consumer.committed(tp)) or 0) < end:
+            return False
+    return True
+
+
+def _partitions(consumer: Any, topic: str) -> list[Any]:
+    return [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]

@@ -1,0 +1,116 @@
+"""The dead-letter path: a FAILED delivery's copy, with its reason, to the dead-letter queue.
+
+The copy goes on a channel of its own, with publisher confirms: a refused publish closes
+that channel only, so the consuming channel keeps its deliveries and can still ack the
+batch-mates. A refusal for good (over the broker's max_message_size, no access, properties
+over the frame size) must not hold the queue, so a copy without the body goes, then a bare
+one (no original header either); if that is refused too the loss is logged at ERROR and the
+FAILED record is kept. A failure that may pass (no DLQ or exchange yet, a nack) leaves the
+delivery to back off and come again.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pika.exceptions  # type: ignore[import-untyped]
+
+from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
+from consumerdedup.reasons import REASON_LIMIT
+
+from .config import RabbitConfig
+from .connection import frame_max, header_frame_size
+from .convert import BODY_DROPPED_HEADER, Delivery, dead_letter_properties
+from .errors import PublishFailed, PublishNacked, PublishRefused, Unroutable
+from .publisher import channel_closed
+
+log = logging.getLogger("consumerdedup.rabbitmq")
+_OURS = (REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER)
+
+
+class DeadLetters:
+    """Publishes a queue's FAILED deliveries to its dead-letter queue, one connection at a
+    time: ``reconnected`` drops the channel of the connection before."""
+
+    def __init__(self, config: RabbitConfig, queue: str, consumer: str, params: Any) -> None:
+        self.config = config
+        self.queue = queue
+        self.dead_letter_queue = config.dead_letters_of(queue)
+        self.consumer = consumer
+        self._params = params
+        self._channel: Any = None  # the publishing channel of the current connection
+
+    def reconnected(self) -> None:
+        self._channel = None
+
+    def send(self, connection: Any, delivery: Delivery, reason: str) -> bool:
+        """True once the copy is confirmed, or can never be; False for a failure that may
+        pass (see the module's docstring)."""
+        properties = dead_letter_properties(delivery, reason, self.consumer, self.queue)
+        body, refused = delivery.body, list[PublishFailed]()
+        for copy_number in range(3):
+            if copy_number:
+                properties = copy.copy(properties)
+                kept = properties.headers if copy_number == 1 else _ours(properties.headers)
+                properties.headers = {**kept, BODY_DROPPED_HEADER: str(refused[0])[:REASON_LIMIT]}
+                body = b""
+            error = self._publish(connection, body, properties)
+            if error is None:
+                if refused:
+                    log.error(
+                        "dead-lettered a message of %r to %r without its body%s, which was "
+                        "refused: %s",
+                        self.queue,
+                        self.dead_letter_queue,
+                        "" if copy_number == 1 else " and headers",
+                        refused[0],
+                    )
+                return True
+            if not isinstance(error, PublishRefused):
+                self._log_unsent(error)
+                return False
+            refused.append(error)
+        log.error(
+            "cannot dead-letter a message of %r to %r, not even without its body (%s): it is "
+            "not dead-lettered, its FAILED record is kept",
+            self.queue,
+            self.dead_letter_queue,
+            "; then ".join(str(e) for e in refused),
+        )
+        return True
+
+    def _publish(self, connection: Any, body: bytes, properties: Any) -> PublishFailed | None:
+        """Publish and wait for the confirm; the failure, if any, as one of our errors."""
+        exchange = self.config.dead_letter_exchange
+        if header_frame_size(properties) > frame_max(connection, self._params):
+            # The broker would close the whole connection (501 FRAME_ERROR), and the message
+            # would come back after the reconnect, again and again.
+            return PublishRefused("the copy's properties and headers exceed the frame size")
+        try:
+            if self._channel is None or not self._channel.is_open:
+                self._channel = connection.channel()
+                self._channel.confirm_delivery()
+            self._channel.basic_publish(
+                exchange, self.dead_letter_queue, body, properties, mandatory=True
+            )
+        except pika.exceptions.UnroutableError:
+            return Unroutable(f"no dead-letter queue {self.dead_letter_queue!r} is bound")
+        except pika.exceptions.NackError:
+            return PublishNacked(f"the broker refused a dead letter to {exchange!r}")
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            return channel_closed(exc, exchange)
+        return None
+
+    def _log_unsent(self, error: PublishFailed) -> None:
+        log.error(
+            "cannot dead-letter a message of %r (%s); it stays in the queue for redelivery "
+            "(RabbitConfig(declare=True) declares a missing dead-letter queue or exchange)",
+            self.queue,
+            error,
+        )
+
+
+def _ours(headers: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in headers.items() if name in _OURS}
