@@ -13,10 +13,11 @@ from sqlalchemy import String, Table, bindparam, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from ..db import dialects, locks
+from ..db import before_commit, dialects, locks
 from ..errors import ConfigurationError
 from ..headers import ID_HEADER
 from ..schema import DEFAULT, ID_LENGTH, Tables, utcnow
+from .held_back import hold_back
 
 _ADD = "Outbox.add"
 _clock = threading.Lock()
@@ -46,7 +47,10 @@ class Outbox:
     lock on the key in this outbox table, so two transactions adding events
     with the same key commit in the order their rows were numbered. The relay
     publishes a key's events in that order; events without a key carry no
-    order promise. A session in autocommit mode is refused (ConfigurationError):
+    order promise. Inside a dedup handler the keyed rows are held back to just
+    before the pipeline's COMMIT, and a batch's keys are locked then, in one order
+    (db/before_commit.py): two batches over the same keys cannot deadlock on them.
+    A session in autocommit mode is refused (ConfigurationError):
     its row would commit alone, whatever became of the caller's transaction.
     """
 
@@ -87,6 +91,10 @@ class Outbox:
             return self._add_async(session, row)
         dialects.require_transaction(session.connection(), _ADD, driver=False)
         if key is not None and _dialect(session) == "postgresql":
+            held = before_commit.queue(session)
+            if held is not None:  # a pipeline transaction: locked in order before COMMIT
+                hold_back(held, self.tables.outbox, row)
+                return str(row["event_id"])
             session.execute(self._lock, {"key": key})
         session.execute(self._insert, row)
         return str(row["event_id"])
@@ -96,6 +104,10 @@ class Outbox:
         assert connection is not None, "an AsyncConnection in a transaction has its connection"
         dialects.require_transaction(connection, _ADD, driver=False)
         if row["key"] is not None and session.get_bind().dialect.name == "postgresql":
+            held = before_commit.queue(session)
+            if held is not None:  # a pipeline transaction: locked in order before COMMIT
+                hold_back(held, self.tables.outbox, row)
+                return str(row["event_id"])
             await session.execute(self._lock, {"key": row["key"]})
         await session.execute(self._insert, row)
         return str(row["event_id"])

@@ -1,0 +1,68 @@
+"""Writes a pipeline transaction holds back until just before its COMMIT, to lock in one order.
+
+Two batches whose handlers take the same per-key locks in opposite orders
+deadlock: PostgreSQL detects it after ``deadlock_timeout`` (1 s by default),
+aborts one, and the pair falls to a few messages a second. The claim's row
+locks are taken in key order already (the claim's rows are sorted). The other
+locks of ours are ``Outbox.add``'s per-key advisory locks, taken as each
+handler adds its event, so in delivery order. Inside a pipeline transaction
+they are held back instead: ``Outbox.add`` queues its row here (its event id is
+returned at once) and the driver, just before COMMIT, flushes each queue: the
+keys' locks in one order (by hash, as the claim lock of a partitioned table),
+then the rows in the order they were added. The per-key promise is unchanged: a
+key's lock is held from before its row is numbered until COMMIT.
+
+The drivers open the queue for a transaction (``open``) before its first
+handler call, and drop it with a rollback (``discard``); outside a pipeline
+transaction nothing is queued and ``Outbox.add`` writes at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+KEY = "consumerdedup.before_commit"
+
+
+class Deferred(Protocol):
+    """A batch of held-back writes, carried out by ``flush`` (or ``flush_async``)."""
+
+    def flush(self, session: Session) -> None: ...
+
+    async def flush_async(self, session: AsyncSession) -> None: ...
+
+
+def open_queue(session: Session | AsyncSession) -> None:
+    """Start holding back writes in ``session``'s transaction (kept if already open)."""
+    session.info.setdefault(KEY, {})
+
+
+def queue(session: Session | AsyncSession) -> dict[Any, Any] | None:
+    """The open queue of ``session``'s transaction (name -> Deferred), or None."""
+    found = session.info.get(KEY)
+    return found if isinstance(found, dict) else None
+
+
+def discard(session: Session | AsyncSession) -> None:
+    """The transaction is rolled back: what it held back goes with it."""
+    session.info.pop(KEY, None)
+
+
+def _taken(session: Session | AsyncSession) -> list[Deferred]:
+    held = session.info.pop(KEY, None) or {}
+    return [held[name] for name in sorted(held, key=repr)]  # one order across batches too
+
+
+def flush(session: Session) -> None:
+    """Carry out what the transaction held back; call right before COMMIT."""
+    for deferred in _taken(session):
+        deferred.flush(session)
+
+
+async def flush_async(session: AsyncSession) -> None:
+    """``flush`` on an AsyncSession."""
+    for deferred in _taken(session):
+        await deferred.flush_async(session)

@@ -1,0 +1,118 @@
+"""Lock order (issue 20 item 6): two batch consumers over the same keys in opposite orders
+must not deadlock on the library's own locks (the claim, the outbox's per-key locks).
+
+Each consumer's batch of 20 adds one outbox event per message, keyed k-00..k-19 on one
+side and k-19..k-00 on the other. Before the fix each ``Outbox.add`` locked its key as
+the handler ran, in delivery order: the two first handlers hold k-00 and k-19, then each
+waits for the other's (PostgreSQL: deadlock detected, SQLSTATE 40P01, after
+deadlock_timeout). Now a batch's keyed events are held back and their keys locked in
+one order just before COMMIT, so one batch waits for the other instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from consumerdedup import Deduplicator, Message, Outbox, Outcome
+from tests.conftest import Database
+
+KEYS = [f"k-{i:02d}" for i in range(20)]
+
+
+@pytest.fixture
+def deadlocks(pg: Database) -> Iterator[list[str]]:
+    """Every deadlock error a statement of the test's engine met (SQLSTATE 40P01)."""
+    seen: list[str] = []
+
+    def count(context: Any) -> None:
+        if getattr(context.original_exception, "sqlstate", None) == "40P01":
+            seen.append(str(context.original_exception))
+
+    event.listen(pg.engine, "handle_error", count)
+    yield seen
+    event.remove(pg.engine, "handle_error", count)
+
+
+def both_hold_a_key_first(barrier: threading.Barrier) -> Callable[[], None]:
+    """Wait, once per consumer, until both have run their first handler: with the old code
+    each then holds its first key's lock, the start of a certain deadlock."""
+    waited = threading.local()
+
+    def wait() -> None:
+        if not getattr(waited, "done", False):
+            waited.done = True
+            barrier.wait(timeout=10)
+
+    return wait
+
+
+def run_two(process: Callable[[list[Message]], list[Outcome]]) -> list[list[Outcome]]:
+    """Both consumers' batches at once, in opposite key orders."""
+    results: list[list[Outcome]] = [[], []]
+
+    def consume(side: int) -> None:
+        order = KEYS if side == 0 else KEYS[::-1]
+        batch = [Message(id=f"s{side}-{key}", body=key.encode()) for key in order]
+        results[side] = process(batch)
+
+    threads = [threading.Thread(target=consume, args=(side,)) for side in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+@pytest.mark.parametrize("kind", ["per-message", "bulk"])
+def test_two_batches_over_the_same_keys_do_not_deadlock(
+    pg: Database, deadlocks: list[str], kind: str
+) -> None:
+    outbox = Outbox(pg.tables)
+    dedup = Deduplicator(pg.engine, consumer="locks", tables=pg.tables)
+    first = both_hold_a_key_first(threading.Barrier(2))
+
+    @dedup.handler
+    def handle(message: Message, session: Any) -> None:
+        outbox.add(session, message.id[:2], message.body, key=message.body.decode())
+        first()
+
+    @dedup.bulk_handler
+    def handle_bulk(messages: list[Message], session: Any) -> None:
+        for message in messages:  # in delivery order, as documented
+            outbox.add(session, message.id[:2], message.body, key=message.body.decode())
+            first()
+
+    process = handle.batch if kind == "per-message" else handle_bulk.batch
+    results = run_two(process)
+    assert results == [[Outcome.PROCESSED] * 20, [Outcome.PROCESSED] * 20]
+    assert deadlocks == []
+    events = pg.scalar(f"SELECT count(*) FROM {pg.name('outbox')}")
+    assert events == 40
+    # One batch took every key before the other (destination: the consumer's side).
+    first_sides = pg.scalar(
+        "SELECT count(DISTINCT first) FROM (SELECT key, (array_agg(destination ORDER BY id))[1]"
+        f" AS first FROM {pg.name('outbox')} GROUP BY key) AS f"
+    )
+    assert first_sides == 1
+
+
+def test_a_held_back_event_is_written_only_with_its_commit(pg: Database) -> None:
+    """A batch whose second handler fails: nothing of the first handler's held-back event
+    stands from the failed attempt; the events of the messages that commit are there once."""
+    outbox = Outbox(pg.tables)
+    dedup = Deduplicator(pg.engine, consumer="locks", tables=pg.tables)
+
+    @dedup.handler
+    def handle(message: Message, session: Any) -> None:
+        outbox.add(session, "accounts", message.body, key="same")
+        if message.id == "m-1":
+            raise ValueError("poison")
+
+    batch = [Message(id=f"m-{i}", body=b"x") for i in range(3)]
+    assert handle.batch(batch) == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert pg.scalar(f"SELECT count(*) FROM {pg.name('outbox')} WHERE key = 'same'") == 2
