@@ -50,9 +50,7 @@ class BulkPipeline(Pipeline):
 
     def __init__(self, statements: Statements, consumer: str, policy: RetryPolicy) -> None:
         super().__init__(statements, consumer, policy, claim_first=True)
-        self._suspects: weakref.WeakKeyDictionary[Batch, list[Item]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._suspects: weakref.WeakKeyDictionary[Batch, list[Item]] = weakref.WeakKeyDictionary()
         """Per batch, the last span whose call failed naming no culprit."""
 
     def attempt(self, batch: Batch) -> Attempt:
