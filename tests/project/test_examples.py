@@ -53,3 +53,10 @@ def test_http_payments(postgres_url: str) -> None:
     out = run("http_payments.py", CONSUMERDEDUP_DB_URL=postgres_url)
     assert "13 requests, 10 replayed: payments 2" in out, out
     assert "events published: 2" in out and "balances: alice 25, bob 40" in out, out
+
+
+def test_bulk_consumer() -> None:
+    """One bulk call per batch, duplicates left out, the order it names failing alone."""
+    out = run("bulk_consumer.py")
+    assert "orders: 199 (199 distinct), dead letters: 1" in out, out
+    assert "processed=199" in out and "failed=1" in out, out
