@@ -100,8 +100,11 @@ PG_URL = os.environ.get(
     "CONSUMERDEDUP_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 AMQP_URL = os.environ.get("CONSUMERDEDUP_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
-BATCH_SIZES = (1, 100, 1000)
-PLAIN_BATCH_SIZES = (1, 100)
+BATCH_SIZES = (1, 100, 500)
+PLAIN_BATCH_SIZES = (500,)
+ONE_BY_ONE_BATCH_SIZES = (500,)
+"""Where the relay also runs as it was before pipelining (a publisher without
+publish_window: one publish, one confirm at a time), side by side."""
 WARMUP = 20
 PERSISTENT = pika.DeliveryMode.Persistent.value
 SHOWN_WIDTH = len("kafka/tansu-memory")
@@ -138,6 +141,17 @@ class Timed(Timing, Publisher):
         self.inner.__exit__(*exc_info)
 
 
+class TimedWindow(Timed):
+    """A pipelining blocking publisher, timed (the relay hands it a window at a time)."""
+
+    def publish_window(self, messages: list[Any]) -> list[BaseException | None]:
+        outcomes = self.inner.publish_window(messages)
+        for message, outcome in zip(messages, outcomes, strict=True):
+            if outcome is None:
+                self._done(message.headers)
+        return list(outcomes)
+
+
 class AsyncTimed(Timing, AsyncPublisher):
     """The same for an async publisher, which the relay enters and leaves on its own loop."""
 
@@ -155,11 +169,23 @@ class AsyncTimed(Timing, AsyncPublisher):
         await self.inner.__aexit__(*exc_info)
 
 
+class AsyncTimedWindow(AsyncTimed):
+    """A pipelining asyncio publisher, timed."""
+
+    async def publish_window(self, messages: list[Any]) -> list[BaseException | None]:
+        outcomes = await self.inner.publish_window(messages)
+        for message, outcome in zip(messages, outcomes, strict=True):
+            if outcome is None:
+                self._done(message.headers)
+        return list(outcomes)
+
+
 @dataclass
 class Target:
     name: str
     destination: str
     make: Callable[[], Timed | AsyncTimed]  # a fresh wrapped publisher for the relay
+    one_by_one: Callable[[], Timed | AsyncTimed]  # the same, one publish at a time (before)
     arrived: Callable[[], int]  # what the target holds now
     reset: Callable[[], None] = lambda: None  # empty it, if it can be (untimed)
     expected: int = 0  # what it should hold
@@ -171,16 +197,20 @@ class Target:
 
 @dataclass
 class Config:
-    """One throughput configuration: the relay or the plain baseline, one target, one batch."""
+    """One throughput configuration: the relay, the relay one publish at a time (as before
+    pipelining), or the plain baseline; one target, one batch."""
 
     target: Target
     batch: int
-    plain: bool
+    code: str  # "relay", "1-by-1" or "plain"
     series: Series = field(default_factory=lambda: Series("", "events/s"))
 
     def __post_init__(self) -> None:
-        code = "plain" if self.plain else "relay"
-        self.series.name = f"{self.target.shown} {code} batch {self.batch}"
+        self.series.name = f"{self.target.shown} {self.code:<6} batch {self.batch}"
+
+    @property
+    def plain(self) -> bool:
+        return self.code == "plain"
 
 
 @dataclass
@@ -225,16 +255,15 @@ class PlainSQL:
 
 
 def plain_drain(
-    conn: psycopg.Connection, q: PlainSQL, batch: int, publish: Callable[[tuple], None]
+    conn: psycopg.Connection, q: PlainSQL, batch: int, publish: Callable[[list[tuple]], None]
 ) -> int:
-    """Rounds of claim, publish each (waiting for the broker), mark, commit; until empty."""
+    """Rounds of claim, publish the rows (waiting for the broker), mark, commit; until empty."""
     total = 0
     while True:
         with conn.transaction():
             rows = conn.execute(q.claim, (batch,)).fetchall()
-            for row in rows:
-                publish(row)
             if rows:
+                publish(rows)
                 conn.execute(q.mark, (datetime.now(UTC), [row[0] for row in rows]))
         if not rows:
             return total
@@ -242,20 +271,65 @@ def plain_drain(
 
 
 async def plain_drain_async(
-    conn: psycopg.AsyncConnection, q: PlainSQL, batch: int, publish: Callable[[tuple], Any]
+    conn: psycopg.AsyncConnection, q: PlainSQL, batch: int, publish: Callable[[list[tuple]], Any]
 ) -> int:
     """``plain_drain`` on asyncio, for aiokafka."""
     total = 0
     while True:
         async with conn.transaction():
             rows = await (await conn.execute(q.claim, (batch,))).fetchall()
-            for row in rows:
-                await publish(row)
             if rows:
+                await publish(rows)
                 await conn.execute(q.mark, (datetime.now(UTC), [row[0] for row in rows]))
         if not rows:
             return total
         total += len(rows)
+
+
+class PlainPikaConfirms:
+    """pika with asynchronous publisher confirms, by hand: the channel's ack/nack callback
+    (pika.channel.Channel under the BlockingChannel), every row published back to back,
+    then ``process_data_events`` until every delivery tag is acked (``multiple`` included)."""
+
+    def __init__(self, connection: Any, pub: Timing) -> None:
+        self.connection = connection
+        self.channel = connection.channel()
+        self.pub = pub
+        self.unconfirmed: dict[int, dict] = {}
+        self.tag = 0
+        ready: list[object] = []
+        self.channel._impl.confirm_delivery(
+            ack_nack_callback=self.confirmed, callback=lambda frame: ready.append(frame)
+        )
+        while not ready:
+            connection.process_data_events(time_limit=0.01)
+
+    def confirmed(self, frame: Any) -> None:
+        method = frame.method
+        if isinstance(method, pika.spec.Basic.Nack):
+            raise Failure(f"rabbitmq plain: nack for {method.delivery_tag}")
+        tags = [method.delivery_tag]
+        if method.multiple:
+            tags = [t for t in self.unconfirmed if t <= method.delivery_tag]
+        for tag in tags:
+            self.pub._done(self.unconfirmed.pop(tag))
+        if not self.unconfirmed:
+            self.connection.add_callback_threadsafe(lambda: None)  # ends the wait below
+
+    def publish(self, rows: list[tuple]) -> None:
+        for row in rows:
+            headers = row[5]
+            properties = pika.BasicProperties(
+                message_id=headers[ID_HEADER], headers=headers, delivery_mode=PERSISTENT
+            )
+            self.tag += 1
+            self.unconfirmed[self.tag] = headers
+            self.channel.basic_publish("", row[2], row[4], properties, mandatory=True)
+        deadline = time.monotonic() + 30
+        while self.unconfirmed:
+            if time.monotonic() > deadline:
+                raise Failure("rabbitmq plain: no confirms within 30 s")
+            self.connection.process_data_events(time_limit=1)
 
 
 # --------------------------------------------------------------------------- the bench
@@ -328,9 +402,10 @@ class Bench:
         count = self.count_for(batch)
         self.empty()
         target.reset()
-        label = f"{'plain' if config.plain else 'relay'} batch {batch}"
+        label = f"{config.code} batch {batch}"
         if not config.plain:
-            pub, warm, published, seconds = self.relay_drain(target, batch, count)
+            make = target.one_by_one if config.code == "1-by-1" else target.make
+            pub, warm, published, seconds = self.relay_drain(make, target, batch, count)
         elif target.name == "kafka":
             pub, warm, published, seconds = asyncio.run(self.plain_kafka(target, batch, count))
         else:
@@ -343,8 +418,10 @@ class Bench:
         self.check(target, label, pub, WARMUP + count)
         config.series.add(count / seconds)
 
-    def relay_drain(self, target: Target, batch: int, count: int) -> tuple[Timing, int, int, float]:
-        pub = target.make()
+    def relay_drain(
+        self, make: Callable[[], Timed | AsyncTimed], target: Target, batch: int, count: int
+    ) -> tuple[Timing, int, int, float]:
+        pub = make()
         with self.relay(pub, batch) as relay:  # leaving it closes the publisher
             self.fill(target.destination, WARMUP)
             warm = relay.drain()
@@ -357,29 +434,23 @@ class Bench:
     def plain_blocking(
         self, target: Target, batch: int, count: int
     ) -> tuple[Timing, int, int, float]:
-        """psycopg + pika (or MemoryBroker.publish): the relay loop written by hand."""
+        """psycopg + pika with asynchronous confirms (or MemoryBroker.publish): the relay loop
+        written by hand."""
         pub = Timing(None)
         with contextlib.ExitStack() as stack:
             conn = stack.enter_context(psycopg.connect(self.dsn, autocommit=True))
             if target.name == "memory":
                 memory = self.memory
 
-                def publish(row: tuple) -> None:
-                    memory.publish(row[2], row[4], row[3], row[5])
-                    pub._done(row[5])
+                def publish(rows: list[tuple]) -> None:
+                    for row in rows:
+                        memory.publish(row[2], row[4], row[3], row[5])
+                        pub._done(row[5])
 
             else:
                 params = pika.URLParameters(AMQP_URL)
-                channel = stack.enter_context(pika.BlockingConnection(params)).channel()
-                channel.confirm_delivery()
-
-                def publish(row: tuple) -> None:
-                    headers = row[5]
-                    properties = pika.BasicProperties(
-                        message_id=headers[ID_HEADER], headers=headers, delivery_mode=PERSISTENT
-                    )
-                    channel.basic_publish("", row[2], row[4], properties, mandatory=True)
-                    pub._done(headers)
+                connection = stack.enter_context(pika.BlockingConnection(params))
+                publish = PlainPikaConfirms(connection, pub).publish
 
             self.fill(target.destination, WARMUP)
             warm = plain_drain(conn, self.sql, batch, publish)
@@ -392,7 +463,8 @@ class Bench:
     async def plain_kafka(
         self, target: Target, batch: int, count: int
     ) -> tuple[Timing, int, int, float]:
-        """psycopg's AsyncConnection + aiokafka: the relay loop written by hand on asyncio."""
+        """psycopg's AsyncConnection + aiokafka, send all then gather: the relay loop written
+        by hand on asyncio."""
         pub = Timing(None)
         producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=False
@@ -401,15 +473,19 @@ class Bench:
         try:
             await producer.start()
 
-            async def publish(row: tuple) -> None:
-                headers = row[5]
-                await producer.send_and_wait(
-                    row[2],
-                    row[4],
-                    key=row[3].encode() if row[3] is not None else None,
-                    headers=[(name, value.encode()) for name, value in headers.items()],
-                )
-                pub._done(headers)
+            async def publish(rows: list[tuple]) -> None:
+                sent = [
+                    await producer.send(
+                        row[2],
+                        row[4],
+                        key=row[3].encode() if row[3] is not None else None,
+                        headers=[(name, value.encode()) for name, value in row[5].items()],
+                    )
+                    for row in rows
+                ]
+                await asyncio.gather(*sent)
+                for row in rows:
+                    pub._done(row[5])
 
             await asyncio.to_thread(self.fill, target.destination, WARMUP)
             warm = await plain_drain_async(conn, self.sql, batch, publish)
@@ -504,37 +580,37 @@ def describe_conditions(
 
 
 def print_ratios(configs: list[Config], args: argparse.Namespace) -> None:
-    plain = {(c.target.name, c.batch): c.series for c in configs if c.plain}
-    pairs = [
-        (c, plain[c.target.name, c.batch])
-        for c in configs
-        if (c.target.name, c.batch) in plain and not c.plain
-    ]
-    same_rounds([s for pair in pairs for s in (pair[0].series, pair[1])])
-    rounds = len(pairs[0][0].series.values) if pairs else 0
+    by = {(c.target.name, c.batch, c.code): c.series for c in configs}
+    relays = [c for c in configs if c.code == "relay" and (c.target.name, c.batch, "plain") in by]
+    same_rounds([c.series for c in configs])
+    rounds = len(relays[0].series.values) if relays else 0
     note = "ratio of medians of" if rounds >= MIN_ROUNDS else "SMOKE RUN, not a measurement:"
-    print(f"Relay / plain, same run ({note} {rounds} round{'s' if rounds != 1 else ''})")
+    print(f"Relay / baselines, same run ({note} {rounds} round{'s' if rounds != 1 else ''})")
     print(
         f"  same outbox table and fill ({args.body_size}-byte bodies, {args.keys} keys), "
-        "same warm-up, same clock points; > 1: the relay is faster"
+        "same warm-up, same clock points; > 1: the relay is faster. 1-by-1: the relay as "
+        "before pipelining (one publish, one confirm at a time)"
     )
     header = (
-        f"  {'target':<{SHOWN_WIDTH}} {'batch':>5} {'events':>6}  {'relay/s':>9}  {'plain/s':>9}  "
-        f"{'relay / plain':>13}  plain code"
+        f"  {'target':<{SHOWN_WIDTH}} {'batch':>5} {'relay/s':>9} {'plain/s':>9} "
+        f"{'1-by-1/s':>9} {'relay/plain':>11} {'relay/1-by-1':>12}  plain code"
     )
     print(header)
     print("  " + "-" * (len(header) - 2))
     code = {
         "memory": "psycopg + MemoryBroker.publish",
-        "rabbitmq": "psycopg + pika (confirm_delivery, persistent)",
-        "kafka": "psycopg async + aiokafka (send_and_wait, acks=all)",
+        "rabbitmq": "psycopg + pika, asynchronous confirms (window = batch), persistent",
+        "kafka": "psycopg async + aiokafka (send all, then gather; acks=all)",
     }
-    for relay, base in pairs:
+    for relay in relays:
         name, batch = relay.target.name, relay.batch
-        ratio = relay.series.ratio(base)
+        base = by[name, batch, "plain"]
+        before = by.get((name, batch, "1-by-1"))
         print(
-            f"  {relay.target.shown} {batch:>5} {args.events_1 if batch == 1 else args.events:>6}  "
-            f"{fmt(relay.series.median):>9}  {fmt(base.median):>9}  {ratio:>12.2f}x  {code[name]}"
+            f"  {relay.target.shown} {batch:>5} {fmt(relay.series.median):>9} "
+            f"{fmt(base.median):>9} {fmt(before.median) if before else '-':>9} "
+            f"{relay.series.ratio(base):>10.2f}x "
+            f"{f'{relay.series.ratio(before):.2f}x' if before else '-':>12}  {code[name]}"
         )
     print()
 
@@ -577,13 +653,20 @@ def run(args: argparse.Namespace, conditions: Conditions) -> None:
 
         def rabbit_reset() -> None:
             amqp(lambda ch: ch.queue_purge(queue))
-            targets[1].expected = 0
+            next(t for t in targets if t.name == "rabbitmq").expected = 0
 
         targets = [
-            Target("memory", "bench", lambda: Timed(memory), lambda: memory.held("bench")),
+            Target(
+                "memory",
+                "bench",
+                lambda: Timed(memory),
+                lambda: Timed(memory),
+                lambda: memory.held("bench"),
+            ),
             Target(
                 "rabbitmq",
                 queue,
+                lambda: TimedWindow(RabbitPublisher(AMQP_URL)),
                 lambda: Timed(RabbitPublisher(AMQP_URL)),
                 lambda: amqp(lambda ch: ch.queue_declare(queue, passive=True)).method.message_count,
                 rabbit_reset,
@@ -591,17 +674,21 @@ def run(args: argparse.Namespace, conditions: Conditions) -> None:
             Target(
                 "kafka",
                 topic,
+                lambda: AsyncTimedWindow(KafkaPublisher(bootstrap, enable_idempotence=False)),
                 lambda: AsyncTimed(KafkaPublisher(bootstrap, enable_idempotence=False)),
                 lambda: asyncio.run(high_watermark(bootstrap, topic)),
                 shown="kafka/tansu-memory",
             ),
         ]
+        targets = [t for t in targets if not args.only or t.name in args.only]
         configs = [
-            Config(target, batch, plain)
+            Config(target, batch, code)
             for target in targets
             for batch in BATCH_SIZES
-            for plain in (False, True)
-            if not plain or batch in PLAIN_BATCH_SIZES
+            for code in ("relay", "1-by-1", "plain")
+            if code == "relay"
+            or (code == "plain" and batch in PLAIN_BATCH_SIZES)
+            or (code == "1-by-1" and batch in ONE_BY_ONE_BATCH_SIZES and target.name != "memory")
         ]
         latency = [LatencySeries(target) for target in targets]
         for round_no in range(1, args.rounds + 1):
@@ -613,7 +700,7 @@ def run(args: argparse.Namespace, conditions: Conditions) -> None:
             print(f"  round {round_no}/{args.rounds}: {time.perf_counter() - started:.0f} s")
             for target in targets:
                 rates = ", ".join(
-                    f"{'plain' if c.plain else 'relay'} {c.batch} {c.series.values[-1]:,.0f}"
+                    f"{c.code} {c.batch} {c.series.values[-1]:,.0f}"
                     for c in configs
                     if c.target is target
                 )
@@ -627,6 +714,12 @@ def parse_args() -> argparse.Namespace:
     add_round_arguments(parser)
     parser.add_argument("--keys", type=int, default=50, help="distinct event keys (50)")
     parser.add_argument("--body-size", type=int, default=256, help="event body bytes (256)")
+    parser.add_argument(
+        "--only",
+        choices=("memory", "rabbitmq", "kafka"),
+        action="append",
+        help="measure these targets only (repeatable; default: all)",
+    )
     args = parser.parse_args()
     check_rounds(parser, args)
     args.events_1, args.events, args.latency_events = (

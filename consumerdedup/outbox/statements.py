@@ -121,36 +121,51 @@ class RelayStatements:
     def claim(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
         """Rows this relay alone may publish now, in id order, locked until commit.
 
-        The scan window is wider than a batch so that concurrent relays, finding
-        the first keys locked, take the next ones instead of going home empty.
+        The scan covers one batch first; when other relays hold some of its keys, it
+        widens to ``WINDOW`` batches, so that concurrent relays, finding the first keys
+        locked, take the next ones instead of going home empty. A relay alone scans,
+        locks and reads each row once.
         """
-        params = {"now": now, "limit": limit * WINDOW}
-        candidates = list(conn.execute(self._candidates, params))
-        if self.postgres:
-            candidates = self._lock_keys_for(conn, candidates, limit)
+        scan, mine = limit, set[str]()
+        while True:
+            candidates = list(conn.execute(self._candidates, {"now": now, "limit": scan}))
+            found = len(candidates)
+            if self.postgres:
+                candidates = self._lock_keys_for(conn, candidates, limit, mine)
+            wider = limit * WINDOW
+            if len(candidates) >= limit or scan >= wider or found < scan:
+                break  # enough, or the widest scan, or no more rows to find
+            scan = wider
         ids = [row.id for row in candidates][:limit]
         if not ids:
             return []
-        params = {"ids": ids, "now": now}
-        return list(conn.execute(self._rows, params).all())
+        return list(conn.execute(self._rows, {"ids": ids, "now": now}).all())
 
-    def _lock_keys_for(self, conn: Connection, candidates: list[Any], limit: int) -> list[Any]:
-        """Lock keys in order of their oldest row until they cover ``limit`` rows."""
+    def _lock_keys_for(
+        self, conn: Connection, candidates: list[Any], limit: int, mine: set[str]
+    ) -> list[Any]:
+        """Lock keys in order of their oldest row until they cover ``limit`` rows; ``mine``
+        holds the keys this transaction locked already, and gains the new ones."""
         per_key: dict[str, int] = {}
+        loose = 0
         for row in candidates:
-            if row.key is not None:
+            if row.key is None:
+                loose += 1
+            else:
                 per_key[row.key] = per_key.get(row.key, 0) + 1
-        loose = sum(1 for row in candidates if row.key is None)
-        waiting = list(per_key)  # first-appearance order is id order
-        mine: set[str] = set()
+        covered = loose + sum(count for key, count in per_key.items() if key in mine)
+        waiting = (key for key in per_key if key not in mine)  # first appearance: id order
         for _ in range(LOCK_TRIES):
-            covered = loose + sum(per_key[k] for k in mine)
             asking: list[str] = []
-            while waiting and covered + sum(per_key[k] for k in asking) < limit:
-                asking.append(waiting.pop(0))
+            asked = 0  # rows of the keys in ``asking``: running sums, not a sum per key
+            while covered + asked < limit and (key := next(waiting, None)) is not None:
+                asking.append(key)
+                asked += per_key[key]
             if not asking:
                 break
-            mine.update(conn.execute(self._lock_keys, {"keys": asking}).scalars())
+            got = set(conn.execute(self._lock_keys, {"keys": asking}).scalars())
+            mine |= got
+            covered += sum(per_key[k] for k in got)
         return [row for row in candidates if row.key is None or row.key in mine]
 
     def mark_published(
