@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from ..errors import ConfigurationError
 from ..event_loop import OwnLoop
 from ..outcome import Result
+from ..telemetry import hooks
 from .async_deduplicator import AsyncDedupHandler
 from .deduplicator import DedupHandler
 from .pipeline import Delivered
@@ -59,6 +60,18 @@ class BlockingProcessor:
 
     def process(self, delivered: Sequence[Delivered], *, ordered: bool = False) -> list[Result]:
         """One Result per delivery, in order (see the module's docstring)."""
+        if hooks.process is None:  # no telemetry: this one read is all it costs
+            return self._process(delivered, ordered)
+        spans = hooks.process.start(self.consumer, delivered)
+        try:
+            results = self._process(delivered, ordered)
+        except BaseException as exc:
+            spans.fail(exc)
+            raise
+        spans.finish(results)
+        return results
+
+    def _process(self, delivered: Sequence[Delivered], ordered: bool) -> list[Result]:
         if isinstance(self.handler, AsyncDedupHandler):
             return self._loop.run(self.handler.process_deliveries(delivered, ordered=ordered))
         return self.handler.process_deliveries(delivered, ordered=ordered)
@@ -94,6 +107,18 @@ class AsyncProcessor:
         self, delivered: Sequence[Delivered], *, ordered: bool = False
     ) -> list[Result]:
         """One Result per delivery, in order (see the module's docstring)."""
+        if hooks.process is None:  # no telemetry: this one read is all it costs
+            return await self._process(delivered, ordered)
+        spans = hooks.process.start(self.consumer, delivered)
+        try:
+            results = await self._process(delivered, ordered)
+        except BaseException as exc:
+            spans.fail(exc)
+            raise
+        spans.finish(results)
+        return results
+
+    async def _process(self, delivered: Sequence[Delivered], ordered: bool) -> list[Result]:
         if isinstance(self.handler, AsyncDedupHandler):
             return await self.handler.process_deliveries(delivered, ordered=ordered)
         process = self.handler.process_deliveries

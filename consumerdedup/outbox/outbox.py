@@ -17,6 +17,7 @@ from ..db import before_commit, dialects, locks
 from ..errors import ConfigurationError
 from ..headers import ID_HEADER
 from ..schema import DEFAULT, ID_LENGTH, Tables, utcnow
+from ..telemetry import hooks
 from .held_back import hold_back
 
 _ADD = "Outbox.add"
@@ -124,6 +125,8 @@ class Outbox:
             raise ConfigurationError(f"body must be bytes, got {type(body).__name__}")
         event_id = new_event_id()
         merged = _checked_headers(headers)
+        if hooks.outbox_headers is not None:  # telemetry: the current W3C trace context
+            hooks.outbox_headers(merged)
         merged[ID_HEADER] = event_id
         now = utcnow()
         return {

@@ -5,5 +5,43 @@ extras not installed consumerdedup works as before. The parts:
 
 * ``readings``: the queries ``stats`` runs (backlog, oldest, parked, records per consumer);
 * ``prometheus``: those readings in the Prometheus text format and on ``/metrics``
-  (the extra ``consumerdedup[prometheus]``).
+  (the extra ``consumerdedup[prometheus]``);
+* ``instrument()``: OpenTelemetry spans and metrics (the extra ``consumerdedup[otel]``)
+  through the ``hooks`` the message path reads (``tracing``, ``metrics``, ``attributes``).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import hooks
+
+
+def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    """Spans and metrics from now on, through the given providers or OpenTelemetry's
+    global ones (``consumerdedup[otel]``: opentelemetry-api). Idempotent; every runner,
+    relay and ``Outbox.add`` of the process reports to it."""
+    try:
+        from opentelemetry import metrics, trace
+    except ImportError:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(
+            "telemetry needs the OpenTelemetry API: pip install 'consumerdedup[otel]'"
+        ) from None
+    from .metrics import SCOPE, Instruments
+    from .tracing import Tracing, add_trace_context
+
+    tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
+    meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)
+    tracing = Tracing(tracer, Instruments(meter))
+    hooks.process = tracing
+    hooks.send = tracing.send
+    hooks.outbox_headers = add_trace_context
+
+
+def uninstrument() -> None:
+    """Back to no telemetry at all: the hooks empty again."""
+    hooks.process = None
+    hooks.send = None
+    hooks.outbox_headers = None

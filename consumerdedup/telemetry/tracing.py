@@ -1,0 +1,213 @@
+"""Spans and metrics for one event's trip: ``Outbox.add`` -> ``send`` -> ``process``.
+
+* ``Outbox.add`` writes the current W3C trace context (traceparent, tracestate,
+  baggage) into the new event's headers, with the row, in the caller's transaction.
+* The relay's ``send <destination>`` PRODUCER span has that stored context as its
+  parent and a link to what was current in the relay; the message goes out with the
+  send span's context in its headers.
+* The consumer's ``process <destination>`` CONSUMER span is a child of the producer's
+  context for a single message; a batch's span links to every message's context, and
+  each message gets its own span under it, linked to its producer. While the handler
+  runs, the process span is current: a second ``Outbox.add`` continues the trace.
+* A RETRY's next delivery links to the span that ended RETRY (not an orphan).
+
+Errors are recorded as ``error.type`` and an ``exception`` event whose message and
+stack trace are scrubbed like a reason (never a bound parameter).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from ..headers import ID_HEADER
+from ..message import Message
+from ..observe import scrubbed_traceback
+from ..outcome import Outcome, Result
+from ..reasons import describe
+from .attributes import consumer_attributes, producer_attributes, publisher_system, system_of
+from .metrics import Instruments
+
+RETRIES_REMEMBERED = 10_000
+"""Span contexts of RETRY outcomes kept for the next delivery's link (oldest dropped)."""
+_TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+
+
+def record_error(span: Any, error: BaseException) -> None:
+    """``error.type``, an ERROR status and a scrubbed ``exception`` event on ``span``."""
+    span.set_attribute("error.type", type(error).__qualname__)
+    span.set_status(Status(StatusCode.ERROR, describe(error)))
+    span.add_event(
+        "exception",
+        {
+            "exception.type": type(error).__qualname__,
+            "exception.message": describe(error),
+            "exception.stacktrace": scrubbed_traceback(error),
+        },
+    )
+
+
+def add_trace_context(headers: dict[str, str]) -> None:
+    """Outbox.add's hook: the current context into the event's headers (the caller's own
+    traceparent, if it gave one, stands)."""
+    if any(name in headers for name in _TRACE_HEADERS):
+        return
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    headers.update(carrier)
+
+
+def _delivery(delivered: Any) -> Message:
+    message: Message = delivered[0] if isinstance(delivered, tuple) else delivered
+    return message
+
+
+class Tracing:
+    """The three hooks over a tracer and the instruments."""
+
+    def __init__(self, tracer: trace.Tracer, instruments: Instruments) -> None:
+        self.tracer = tracer
+        self.instruments = instruments
+        self._retried: OrderedDict[tuple[str, str], trace.SpanContext] = OrderedDict()
+
+    # consumer side
+
+    def start(self, consumer: str, deliveries: Sequence[Any]) -> ProcessSpans:
+        messages = [_delivery(d) for d in deliveries]
+        return ProcessSpans(self, consumer, messages)
+
+    def links_for(self, consumer: str, message: Message) -> list[Link]:
+        """The message's producer (if its headers carry one), then its RETRY'd attempt."""
+        producer = self.producer(message)
+        links = [Link(producer)] if producer is not None else []
+        earlier = self._retried.get((consumer, str(message.id)))
+        if earlier is not None:
+            links.append(Link(earlier, {"consumerdedup.link": "retry"}))
+        return links
+
+    @staticmethod
+    def producer(message: Message) -> trace.SpanContext | None:
+        found = trace.get_current_span(propagate.extract(dict(message.headers)))
+        context = found.get_span_context()
+        return context if context.is_valid else None
+
+    def remember_retry(self, consumer: str, message: Message, span: Any) -> None:
+        self._retried[(consumer, str(message.id))] = span.get_span_context()
+        self._retried.move_to_end((consumer, str(message.id)))
+        while len(self._retried) > RETRIES_REMEMBERED:
+            self._retried.popitem(last=False)
+
+    def forget_retry(self, consumer: str, message: Message) -> None:
+        self._retried.pop((consumer, str(message.id)), None)
+
+    # relay side
+
+    def send(self, publisher: object, messages: Sequence[Any], publish: Any) -> list[Any]:
+        """The relay's hook: a PRODUCER span per message around the window's publish."""
+        system = publisher_system(publisher)
+        relay_link = trace.get_current_span().get_span_context()
+        spans, outgoing = [], []
+        started = time.perf_counter()
+        for message in messages:
+            parent = propagate.extract(dict(message.headers))
+            links = [Link(relay_link)] if relay_link.is_valid else []
+            attributes = producer_attributes(
+                system, message.destination, message.headers.get(ID_HEADER)
+            )
+            span = self.tracer.start_span(
+                f"send {message.destination}", parent, SpanKind.PRODUCER, attributes, links
+            )
+            headers = {k: v for k, v in message.headers.items() if k not in _TRACE_HEADERS}
+            propagate.inject(headers, context=trace.set_span_in_context(span, parent))
+            spans.append(span)
+            outgoing.append(message._replace(headers=headers))
+        try:
+            outcomes: list[Any] = publish(outgoing)
+        except BaseException as exc:
+            outcomes = [exc] * len(spans)
+            raise
+        finally:
+            seconds = time.perf_counter() - started
+            for span, message, outcome in zip(spans, outgoing, outcomes, strict=False):
+                if isinstance(outcome, BaseException):
+                    record_error(span, outcome)
+                span.end()
+                self.instruments.sent(system, message.destination, outcome, seconds)
+        return outcomes
+
+
+class ProcessSpans:
+    """One batch's process spans, from its start to its Results."""
+
+    def __init__(self, tracing: Tracing, consumer: str, messages: list[Message]) -> None:
+        self.tracing, self.consumer, self.messages = tracing, consumer, messages
+        self.started = time.perf_counter()
+        tracer, first = tracing.tracer, messages[0] if messages else Message(None, b"")
+        name = f"process {first.source or '(unknown)'}"
+        attributes = consumer_attributes(first, consumer)
+        self.children: list[Any] = []
+        if len(messages) == 1:  # a child of its producer, linked to its RETRY'd attempt
+            links = tracing.links_for(consumer, first)
+            has_producer = tracing.producer(first) is not None
+            parent = propagate.extract(dict(first.headers)) if has_producer else None
+            self.span = tracer.start_span(
+                name, parent, SpanKind.CONSUMER, attributes, links[1:] if has_producer else links
+            )
+        else:
+            for key in ("messaging.message.id", "messaging.kafka.offset"):
+                attributes.pop(key, None)
+            attributes.pop("messaging.rabbitmq.message.delivery_tag", None)
+            attributes["messaging.batch.message_count"] = len(messages)
+            links = [link for m in messages for link in tracing.links_for(consumer, m)]
+            self.span = tracer.start_span(name, None, SpanKind.CONSUMER, attributes, links)
+            batch = trace.set_span_in_context(self.span)
+            for message in messages:
+                self.children.append(
+                    tracer.start_span(
+                        f"process {message.source or '(unknown)'}", batch, SpanKind.CONSUMER,
+                        consumer_attributes(message, consumer),
+                        tracing.links_for(consumer, message),
+                    )
+                )  # fmt: skip
+        self._token = otel_context.attach(trace.set_span_in_context(self.span))
+
+    def finish(self, results: Sequence[Result]) -> None:
+        otel_context.detach(self._token)
+        seconds = time.perf_counter() - self.started
+        spans = self.children or [self.span]
+        for span, result in zip(spans, results, strict=False):
+            self._settle(span, result)
+        if self.children:
+            outcomes = {r.outcome for r in results}
+            self.span.set_attribute(
+                "consumerdedup.outcome", outcomes.pop().value if len(outcomes) == 1 else "mixed"
+            )
+            for span in self.children:
+                span.end()
+        self.span.end()
+        first = self.messages[0] if self.messages else Message(None, b"")
+        self.tracing.instruments.processed(
+            system_of(first), first.source, self.consumer, results, seconds
+        )
+
+    def fail(self, error: BaseException) -> None:
+        """The runner's call raised (a setup fault): every span ends with the error."""
+        otel_context.detach(self._token)
+        for span in [*self.children, self.span]:
+            record_error(span, error)
+            span.end()
+
+    def _settle(self, span: Any, result: Result) -> None:
+        span.set_attribute("consumerdedup.outcome", result.outcome.value)
+        if result.error is not None and result.outcome in (Outcome.FAILED, Outcome.RETRY):
+            record_error(span, result.error)
+        if result.outcome is Outcome.RETRY:
+            self.tracing.remember_retry(self.consumer, result.message, span)
+        else:
+            self.tracing.forget_retry(self.consumer, result.message)
