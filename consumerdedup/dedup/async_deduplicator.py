@@ -16,7 +16,8 @@ from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .deduplicator import begin_checked
-from .handler_guard import HandlerCall
+from .driver_sql import execute_async
+from .handler_guard import HandlerCall, pending_writes
 from .handler_kinds import check_awaitable, check_awaited, require_async
 from .ops import (
     Attempt,
@@ -166,7 +167,7 @@ class AsyncDedupHandler:
     async def _carry_out(self, op: Op, session: AsyncSession) -> Any:
         match op:
             case Execute(statement, params, read):
-                return read(await session.execute(statement, params))
+                return read(await execute_async(session, statement, params))
             case CallHandler(message):
                 return await self._call(message, session)
             case Commit():
@@ -177,9 +178,8 @@ class AsyncDedupHandler:
                 return await session.rollback()
 
     async def _call(self, message: Message, session: AsyncSession) -> None:
-        connection = (await session.connection()).sync_connection
-        assert connection is not None, "an AsyncConnection in a transaction has its connection"
-        call = HandlerCall(session.sync_session, connection)
+        # Our statement has run in this transaction: its connection is there, no await needed.
+        call = HandlerCall(session.sync_session, session.sync_session.connection())
         try:
             with handler_code():
                 returned = self.fn(message, session)
@@ -187,8 +187,9 @@ class AsyncDedupHandler:
             with handler_code():
                 result = await returned
             check_awaited(self.fn, result)
-            with handler_code():
-                await session.flush()  # a pending ORM write fails now, charged to its own message
+            if pending_writes(session.sync_session):  # else a flush only costs a greenlet
+                with handler_code():
+                    await session.flush()  # a pending ORM write fails now, charged to it
         finally:
             call.finish()
         call.verify()

@@ -18,6 +18,7 @@ from ..outcome import Outcome, Result
 from ..reasons import authentication_refused, describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
+from .driver_sql import execute
 from .handler_guard import HandlerCall
 from .handler_kinds import check_returned, require_blocking
 from .ops import (
@@ -174,7 +175,7 @@ class DedupHandler:
     def _carry_out(self, op: Op, session: Session) -> Any:
         match op:
             case Execute(statement, params, read):
-                return read(session.execute(statement, params))
+                return read(execute(session, statement, params))
             case CallHandler(message):
                 return self._call(message, session)
             case Commit():

@@ -244,3 +244,9 @@ class HandlerCall:
             dialect=dialect,
             ismulti=executemany,
         )
+
+
+def pending_writes(session: Session) -> bool:
+    """ORM changes a flush would write: the driver flushes after a handler only then (an
+    AsyncSession's flush costs a greenlet switch even with nothing to write)."""
+    return bool(session.new or session.deleted or session.dirty)
