@@ -193,3 +193,23 @@ def test_the_result_is_a_handler_like_any_other(ledger: BulkLedger) -> None:
 
         asyncio.run(run())
     assert ledger.calls == [["a"], ["m-00", "m-01"]]
+
+
+def test_a_partitioned_table_claims_and_bisects_alike(pg_partitioned: Database) -> None:
+    """processed_events by day: the claim is a lock then an INSERT of the unheld keys."""
+    ledger = BulkLedger(pg_partitioned, "sync")
+    process = ledger.handler(poisoned({"m-03"}, PermanentError))
+    process([Message(id="m-00", body=b"{}")])
+    results = process([*messages(6), Message(id="m-01", body=b"{}")])
+    assert outcomes(results) == [
+        Outcome.DUPLICATE,
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+        Outcome.DUPLICATE,
+    ]
+    assert ledger.applied() == ["m-00", "m-01", "m-02", "m-04", "m-05"]
+    assert ledger.recorded()["m-03"] == "failed"
+    ledger.close()
