@@ -28,6 +28,7 @@ from consumerdedup import (
     Publisher,
 )
 from consumerdedup.headers import ID_HEADER
+from consumerdedup.outbox.publisher import Outgoing
 from consumerdedup.outbox.sending import Sender
 from consumerdedup.retry import ErrorKind, classify
 from tests.conftest import Database
@@ -119,6 +120,31 @@ class PublisherContract:
         for key in ("a", "b", "c"):
             sequence = [int(n) for k, n in bodies if k == key]
             assert sequence == list(range(("a", "b", "c").index(key), 30, 3))
+
+    def test_a_window_gives_one_outcome_per_message_in_order_and_keeps_key_order(
+        self, harness: PublisherHarness
+    ) -> None:
+        """What the relay hands over at a time (pipelined, or one publish each): a missing
+        destination mid-window is that message's outcome; the other messages arrive, each
+        key's in window order."""
+        destination, missing = harness.destination(), harness.missing()
+        window = [
+            Outgoing(destination, f"{'abc'[n % 3]}:{n}".encode(), "abc"[n % 3], headers(f"e-{n}"))
+            for n in range(30)
+        ]
+        window[10] = Outgoing(missing, b"lost", "z", headers("e-missing"))
+        with sending(harness.publisher()) as sender:
+            outcomes = sender.publish_window(window)
+        assert len(outcomes) == 30
+        if harness.capabilities.creates_destinations:
+            assert outcomes[10] is None
+        else:
+            assert isinstance(outcomes[10], DestinationMissing), outcomes[10]
+        assert [n for n, o in enumerate(outcomes) if o is not None and n != 10] == []
+        bodies = [r.body.decode().split(":") for r in harness.received(destination)]
+        for key in "abc":
+            sequence = [int(n) for k, n in bodies if k == key]
+            assert sequence == [n for n in range("abc".index(key), 30, 3) if n != 10]
 
     def test_a_broker_away_is_broker_unavailable(self, harness: PublisherHarness) -> None:
         if not harness.capabilities.can_be_away:
