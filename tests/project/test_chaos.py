@@ -62,7 +62,12 @@ from tests.support.chaos_roles import (
     create_business_tables,
 )
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
-from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
+from tests.support.rabbitmq_service import (  # noqa: F401
+    Broker,
+    amqp_url_fixture,
+    named_connections,
+    rabbit_fixture,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCERS, EVENTS, KEYS = 3, 200, 20
@@ -285,17 +290,7 @@ def close_rabbit_connections(tag: str) -> list[str]:
     found: list[tuple[str, str]] = []
     deadline = time.monotonic() + CONNECTED_WAIT
     while not found and time.monotonic() < deadline:
-        listing = subprocess.run(
-            [ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-        for line in listing.splitlines():
-            name = re.search(r'\{"connection_name","(' + re.escape(tag) + r'[^"]*)"\}', line)
-            if name:
-                found.append((line.split("\t")[0], name.group(1)))
+        found = [(pid, name) for pid, name in named_connections(ctl) if name.startswith(tag)]
     closing = [
         subprocess.Popen([ctl, "close_connection", pid, "chaos"], stdout=subprocess.DEVNULL)
         for pid, _ in found

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -155,6 +156,23 @@ def rabbit_fixture(amqp_url: str) -> Iterator[Broker]:
     b.close()
 
 
+def named_connections(ctl: str) -> list[tuple[str, str]]:
+    """(pid, client-provided name) of each broker connection that has a name, read with
+    ``rabbitmqctl`` at ``ctl``."""
+    listing = subprocess.run(
+        [ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    found = []
+    for line in listing.splitlines():
+        if named := re.search(r'\{"connection_name","([^"]*)"\}', line):
+            found.append((line.split("\t")[0], named.group(1)))
+    return found
+
+
 def close_connection(url: str, name: str, reason: str = "closed by the test") -> None:
     """Close, from the broker side, the connection whose client-provided name is ``name``.
 
@@ -167,14 +185,7 @@ def close_connection(url: str, name: str, reason: str = "closed by the test") ->
         )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        listing = subprocess.run(
-            [ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-        pids = [line.split("\t")[0] for line in listing.splitlines() if f'"{name}"' in line]
+        pids = [pid for pid, named in named_connections(ctl) if named == name]
         if pids:
             for pid in pids:
                 subprocess.run([ctl, "close_connection", pid, reason], timeout=60, check=True)
