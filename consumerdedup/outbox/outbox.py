@@ -94,7 +94,7 @@ class Outbox:
         if key is not None and _dialect(session) == "postgresql":
             held = before_commit.queue(session)
             if held is not None:  # a pipeline transaction: locked in order before COMMIT
-                hold_back(held, self.tables.outbox, row)
+                hold_back(held, session, self.tables.outbox, row)
                 return str(row["event_id"])
             session.execute(self._lock, {"key": key})
         session.execute(self._insert, row)
@@ -107,7 +107,7 @@ class Outbox:
         if row["key"] is not None and session.get_bind().dialect.name == "postgresql":
             held = before_commit.queue(session)
             if held is not None:  # a pipeline transaction: locked in order before COMMIT
-                hold_back(held, self.tables.outbox, row)
+                hold_back(held, session.sync_session, self.tables.outbox, row)
                 return str(row["event_id"])
             await session.execute(self._lock, {"key": row["key"]})
         await session.execute(self._insert, row)

@@ -116,3 +116,71 @@ def test_a_held_back_event_is_written_only_with_its_commit(pg: Database) -> None
     batch = [Message(id=f"m-{i}", body=b"x") for i in range(3)]
     assert handle.batch(batch) == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
     assert pg.scalar(f"SELECT count(*) FROM {pg.name('outbox')} WHERE key = 'same'") == 2
+
+
+def test_an_event_added_in_a_rolled_back_savepoint_is_not_written(pg: Database) -> None:
+    """Inside ``begin_nested()`` an event is written at once, so that the savepoint's
+    rollback takes it away; a held-back row would have outlived it."""
+    outbox = Outbox(pg.tables)
+    dedup = Deduplicator(pg.engine, consumer="locks", tables=pg.tables)
+
+    @dedup.handler
+    def handle(message: Message, session: Any) -> None:
+        outbox.add(session, "kept", b"x", key="k")
+        try:
+            with session.begin_nested():
+                outbox.add(session, "undone", b"x", key="k")
+                raise ValueError("undo the savepoint")
+        except ValueError:
+            pass
+
+    assert handle.batch([Message(id="m-0", body=b"x")]) == [Outcome.PROCESSED]
+    destinations = pg.scalar(f"SELECT string_agg(destination, ',') FROM {pg.name('outbox')}")
+    assert destinations == "kept"
+
+
+def test_events_of_one_key_keep_their_order_around_a_savepoint(pg: Database) -> None:
+    outbox = Outbox(pg.tables)
+    dedup = Deduplicator(pg.engine, consumer="locks", tables=pg.tables)
+
+    @dedup.handler
+    def handle(message: Message, session: Any) -> None:
+        outbox.add(session, "first", b"x", key="k")  # held back
+        with session.begin_nested():
+            outbox.add(session, "second", b"x", key="k")  # written at once, after "first"
+        outbox.add(session, "third", b"x", key="k")
+
+    assert handle.batch([Message(id="m-0", body=b"x")]) == [Outcome.PROCESSED]
+    order = pg.scalar(f"SELECT string_agg(destination, ',' ORDER BY id) FROM {pg.name('outbox')}")
+    assert order == "first,second,third"
+
+
+def test_asyncio_a_rolled_back_savepoint_takes_its_held_back_event(pg: Database) -> None:
+    import asyncio
+
+    from consumerdedup import AsyncDeduplicator
+
+    outbox = Outbox(pg.tables)
+    engine = pg.async_engine()
+    dedup = AsyncDeduplicator(engine, consumer="locks", tables=pg.tables)
+
+    @dedup.bulk_handler
+    async def handle(messages: list[Message], session: Any) -> None:
+        await outbox.add(session, "kept", b"x", key="k")
+        try:
+            async with session.begin_nested():
+                await outbox.add(session, "undone", b"x", key="k")
+                raise ValueError("undo the savepoint")
+        except ValueError:
+            pass
+        await outbox.add(session, "after", b"x", key="k")
+
+    async def run() -> list[Outcome]:
+        try:
+            return await handle.batch([Message(id="m-0", body=b"x")])
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(run()) == [Outcome.PROCESSED]
+    order = pg.scalar(f"SELECT string_agg(destination, ',' ORDER BY id) FROM {pg.name('outbox')}")
+    assert order == "kept,after"
