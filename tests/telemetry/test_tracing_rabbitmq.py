@@ -23,9 +23,9 @@ def test_one_event_through_rabbitmq_and_a_second_hop_is_one_trace(
     tracer = otel.tracer_provider.get_tracer("test")
     token = context.attach(baggage.set_baggage("tenant", "t-1"))
     try:
-        with tracer.start_as_current_span("POST /orders"), Session(db.engine) as session:
-            with session.begin():
-                outbox.add(session, orders, b'{"order": 1}')
+        request = tracer.start_as_current_span("POST /orders")
+        with request, Session(db.engine) as session, session.begin():
+            outbox.add(session, orders, b'{"order": 1}')
     finally:
         context.detach(token)
     seen: list[Message] = []
@@ -74,7 +74,13 @@ def test_one_event_through_rabbitmq_and_a_second_hop_is_one_trace(
     assert dict(send.attributes or {})["messaging.message.id"] == seen[0].id
     assert dict(send.attributes or {})["messaging.operation.type"] == "send"
     consumed = otel.points("messaging.client.consumed.messages")
-    outcomes = {(p.attributes["messaging.consumer.group.name"], p.attributes["consumerdedup.outcome"]): p.value for p in consumed}  # fmt: skip
+    outcomes = {
+        (
+            p.attributes["messaging.consumer.group.name"],
+            p.attributes["consumerdedup.outcome"],
+        ): p.value
+        for p in consumed
+    }
     assert outcomes == {("orders", "processed"): 1, ("billing", "processed"): 1}
     (duration, *_) = otel.points("messaging.process.duration")
     assert duration.count == 1 and list(duration.explicit_bounds)[:3] == [0.005, 0.01, 0.025]
