@@ -213,3 +213,19 @@ def test_a_partitioned_table_claims_and_bisects_alike(pg_partitioned: Database) 
     assert ledger.applied() == ["m-00", "m-01", "m-02", "m-04", "m-05"]
     assert ledger.recorded()["m-03"] == "failed"
     ledger.close()
+
+
+def test_a_bulk_handler_of_the_wrong_kind_is_refused(sqlite_db: Database) -> None:
+    from consumerdedup import AsyncDeduplicator, ConfigurationError, Deduplicator
+
+    dedup = Deduplicator(sqlite_db.engine, consumer="kinds", tables=sqlite_db.tables)
+    adedup = AsyncDeduplicator(sqlite_db.async_engine(), consumer="kinds", tables=sqlite_db.tables)
+
+    async def coroutine(messages: list[Message], session: Any) -> None: ...
+
+    def plain(messages: list[Message], session: Any) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="AsyncDeduplicator"):
+        dedup.bulk_handler(coroutine)
+    with pytest.raises(ConfigurationError, match="async def"):
+        adedup.bulk_handler(plain)
