@@ -11,6 +11,8 @@ The app (``make_app``) is a raw ASGI app over the suite's Backend (tests/http/as
                  answers 201 (it may claim the key: the first's claim is gone).
                  ?role=hold writes a run and keeps its transaction open until GET /release
   GET /release   passes through; lets the holder with ?tag= answer
+``make_wsgi_app`` serves /tx/rollback (roles first and twin) under Flask and
+WSGIIdempotencyMiddleware (waitress): the rollback must end the same way there.
 On SQLite a transactional request holds the database's write lock: another key's
 transactional request is refused with 409 store-busy, whose detail says SQLite
 serialises writers (not a false in-flight: the key may be free).
@@ -33,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
 from consumerdedup.http.asgi import SESSION_KEY
+from tests.http import wsgi_server
 from tests.http.asgi_apps import Backend, _answer, _read
 from tests.http.conftest import Server, ServerKind, new_key, serve, wait_for
 
@@ -95,6 +98,55 @@ def make_app() -> Any:
     return IdempotencyMiddleware(app, backend.engine, policy=POLICY, tables=backend.tables)
 
 
+def make_wsgi_app() -> Any:
+    """/tx/rollback (roles first and twin) under Flask, for WSGIIdempotencyMiddleware."""
+    from flask import Flask, jsonify, request
+    from sqlalchemy import insert
+
+    from consumerdedup.http.wsgi import WSGIIdempotencyMiddleware
+
+    backend = Backend()  # blocking: CDD_HTTP_ASYNC is not set for the WSGI kinds
+    markers = Path(os.environ["CDD_HTTP_MARKERS"])
+    twins: dict[str, threading.Event] = {}
+    twins_lock = threading.Lock()
+    app = Flask("consumerdedup-attack-round4")
+
+    def record(session: Any, note: str) -> int:
+        row = {"route": "tx/rollback", "principal": None, "note": note}
+        run = session.execute(insert(backend.runs).values(row)).inserted_primary_key[0]
+        backend.outbox.add(session, "payments", note.encode())
+        return int(run)
+
+    @app.get("/health")
+    def health() -> Any:
+        return jsonify(ok=True)
+
+    @app.post("/tx/rollback")
+    def rollback() -> Any:
+        session = request.environ[SESSION_KEY]
+        role, tag = request.args["role"], request.args["tag"]
+        with twins_lock:
+            twin = twins.setdefault(tag, threading.Event())
+        run = record(session, role)
+        if role == "twin":
+            twin.set()
+            return jsonify(run=run), 201
+        session.rollback()  # ends the transaction the claim lived in
+        (markers / f"rolled-back-{tag}").touch()
+        if not twin.wait(20):
+            raise RuntimeError("the twin never ran")
+        return jsonify(run=record(session, "first-again")), 201
+
+    app.wsgi_app = WSGIIdempotencyMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app, backend.engine, policy=POLICY, tables=backend.tables
+    )
+    return app
+
+
+def _waitress(port: int) -> list[str]:
+    return wsgi_server.command("tests.http.test_attack_round4:make_wsgi_app", port)
+
+
 def _uvicorn(port: int) -> list[str]:
     from tests.http.conftest import uvicorn
 
@@ -108,10 +160,20 @@ KINDS = [
     ServerKind("round4-postgresql-sync", "postgresql", {}, _uvicorn),
     ServerKind("round4-sqlite-sync", "sqlite", {}, _uvicorn),
 ]
+WSGI_KINDS = [
+    ServerKind("round4-waitress-postgresql", "postgresql", {}, _waitress),
+    ServerKind("round4-waitress-sqlite", "sqlite", {}, _waitress),
+]
 
 
 @pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
 def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from serve(request, request.param)
+
+
+@pytest.fixture(scope="module", params=KINDS + WSGI_KINDS, ids=lambda k: k.name)
+def rolled_back(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """Every server, the WSGI ones too (they serve /tx/rollback only)."""
     yield from serve(request, request.param)
 
 
@@ -143,8 +205,9 @@ def test_a_response_with_a_header_no_server_can_replay_is_never_run_again(
 
 
 def test_an_endpoint_that_rolls_back_its_session_commits_nothing_beside_a_twin(
-    attacked: Server,
+    rolled_back: Server,
 ) -> None:
+    attacked = rolled_back
     key = {"Idempotency-Key": new_key()}
     tag = uuid.uuid4().hex[:8]
     answers: dict[str, httpx.Response] = {}
