@@ -17,8 +17,12 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.
 """The conventions' advice for messaging.process.duration and operation.duration (s)."""
 
 
-def _dup() -> bool:
+def _opted_in() -> bool:
     return "messaging/dup" in os.environ.get("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")
+
+
+_DUP = _opted_in()
+"""Read once, at import: the environment is the process's setting, not a message's."""
 
 
 def system_of(message: Message) -> str:
@@ -58,7 +62,7 @@ def consumer_attributes(message: Message, consumer: str) -> dict[str, Any]:
             found["messaging.kafka.offset"] = message.offset
     if system == "rabbitmq":
         found["messaging.rabbitmq.message.delivery_tag"] = message.raw.method.delivery_tag
-    if _dup():
+    if _DUP:
         found["messaging.operation"] = "process"
         if "messaging.destination.partition.id" in found:
             found["messaging.kafka.destination.partition"] = message.partition
@@ -76,6 +80,6 @@ def producer_attributes(system: str, destination: str, event_id: str | None) -> 
     }
     if event_id:
         found["messaging.message.id"] = event_id
-    if _dup():
+    if _DUP:
         found["messaging.operation"] = "publish"
     return found

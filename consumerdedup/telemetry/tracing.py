@@ -82,20 +82,21 @@ class Tracing:
         messages = [_delivery(d) for d in deliveries]
         return ProcessSpans(self, consumer, messages)
 
-    def links_for(self, consumer: str, message: Message) -> list[Link]:
-        """The message's producer (if its headers carry one), then its RETRY'd attempt."""
-        producer = self.producer(message)
-        links = [Link(producer)] if producer is not None else []
-        earlier = self._retried.get((consumer, str(message.id)))
+    def links_for(self, consumer: str, message: Message) -> tuple[Any, list[Link]]:
+        """The producer's context from the message's headers (None: it carries none),
+        and the links: to that producer, then to the RETRY'd attempt, if any."""
+        links = []
+        producer = None
+        if message.headers:
+            parent = propagate.extract(message.headers)
+            found = trace.get_current_span(parent).get_span_context()
+            if found.is_valid:
+                producer = parent
+                links.append(Link(found))
+        earlier = self._retried.get((consumer, str(message.id))) if self._retried else None
         if earlier is not None:
             links.append(Link(earlier, {"consumerdedup.link": "retry"}))
-        return links
-
-    @staticmethod
-    def producer(message: Message) -> trace.SpanContext | None:
-        found = trace.get_current_span(propagate.extract(dict(message.headers)))
-        context = found.get_span_context()
-        return context if context.is_valid else None
+        return producer, links
 
     def remember_retry(self, consumer: str, message: Message, span: Any) -> None:
         self._retried[(consumer, str(message.id))] = span.get_span_context()
@@ -153,18 +154,15 @@ class ProcessSpans:
         attributes = consumer_attributes(first, consumer)
         self.children: list[Any] = []
         if len(messages) == 1:  # a child of its producer, linked to its RETRY'd attempt
-            links = tracing.links_for(consumer, first)
-            has_producer = tracing.producer(first) is not None
-            parent = propagate.extract(dict(first.headers)) if has_producer else None
-            self.span = tracer.start_span(
-                name, parent, SpanKind.CONSUMER, attributes, links[1:] if has_producer else links
-            )
+            parent, links = tracing.links_for(consumer, first)
+            links = links[1:] if parent is not None else links
+            self.span = tracer.start_span(name, parent, SpanKind.CONSUMER, attributes, links)
         else:
             for key in ("messaging.message.id", "messaging.kafka.offset"):
                 attributes.pop(key, None)
             attributes.pop("messaging.rabbitmq.message.delivery_tag", None)
             attributes["messaging.batch.message_count"] = len(messages)
-            links = [link for m in messages for link in tracing.links_for(consumer, m)]
+            links = [link for m in messages for link in tracing.links_for(consumer, m)[1]]
             self.span = tracer.start_span(name, None, SpanKind.CONSUMER, attributes, links)
             batch = trace.set_span_in_context(self.span)
             for message in messages:
@@ -172,7 +170,7 @@ class ProcessSpans:
                     tracer.start_span(
                         f"process {message.source or '(unknown)'}", batch, SpanKind.CONSUMER,
                         consumer_attributes(message, consumer),
-                        tracing.links_for(consumer, message),
+                        tracing.links_for(consumer, message)[1],
                     )
                 )  # fmt: skip
         self._token = otel_context.attach(trace.set_span_in_context(self.span))
