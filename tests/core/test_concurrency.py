@@ -20,7 +20,10 @@ from consumerdedup import Deduplicator, Message, Outcome
 from tests.conftest import Database, database
 from tests.support import workers
 
-SPAWN = multiprocessing.get_context("spawn")
+CHILDREN = multiprocessing.get_context("forkserver")
+"""Children forked from a fresh process that imported the workers once: a clean start like
+'spawn' (no thread or connection of pytest's is inherited), without the import per child."""
+CHILDREN.set_forkserver_preload(["tests.support.workers"])
 WORKERS = 16
 IDS = 2_000
 COPIES = 3
@@ -93,8 +96,10 @@ def run_race(
     """``workers_`` processes deliver every id ``copies`` times; the outcome totals, the
     handler calls and the collisions (``workers.collisions``). ``lockstep``: every worker
     goes through the ids in the same order, so twins meet at nearly every id."""
-    start_at = time.time() + 4.0
-    with ProcessPoolExecutor(workers_, mp_context=SPAWN) as pool:
+    start = CHILDREN.Barrier(workers_)
+    with ProcessPoolExecutor(
+        workers_, mp_context=CHILDREN, initializer=workers.start_together, initargs=(start,)
+    ) as pool:
         futures = [
             pool.submit(
                 workers.race,
@@ -104,7 +109,6 @@ def run_race(
                 bodies,
                 copies,
                 None if lockstep else seed,
-                start_at,
                 claim_first,
                 unlocked,
             )
@@ -166,7 +170,7 @@ def test_the_partitioned_claim_is_exact_only_with_its_lock(db: Any, locked: bool
 def die_then_redeliver(db: Any, ledger: str, crash: Any, payload: Any, step: str) -> Any:
     """Run ``crash(url, names, ledger, payload, step)`` in a child that must die at ``step``;
     return the handler of a fresh consumer, to redeliver with."""
-    child = SPAWN.Process(target=crash, args=(db.url, names(db), ledger, payload, step))
+    child = CHILDREN.Process(target=crash, args=(db.url, names(db), ledger, payload, step))
     child.start()
     child.join(60)
     assert child.exitcode == workers.CRASH_EXIT, f"child did not die at {step}"

@@ -1,6 +1,8 @@
 """Code that runs in child processes: racing consumers and consumers that die mid-pipeline.
 
-Kept importable (no fixtures) because the children are started with 'spawn'.
+Kept importable (no fixtures): the children are forked from a fresh forkserver process
+that has imported this module (and with it consumerdedup and SQLAlchemy) once, so a child
+starts in milliseconds instead of importing everything again as under 'spawn'.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ def no_claim_lock(table: Any) -> TextualSelect:
     ).columns(isolation=String(), locked=Integer(), consumer=String())
 
 
+_start_together: Any = None
+"""The barrier of this worker's race (``start_together``)."""
+
+
+def start_together(barrier: Any) -> None:
+    """A race's pool initializer: every worker waits at ``barrier`` before its first
+    delivery, so they all begin at once however long each took to start."""
+    global _start_together
+    _start_together = barrier
+
+
 def race(
     url: str,
     names: Names,
@@ -67,7 +80,6 @@ def race(
     bodies: dict[str, bytes],
     copies: int,
     seed: int | None,
-    start_at: float,
     claim_first: bool = True,
     unlocked: bool = False,
     block: int = 100,
@@ -95,7 +107,8 @@ def race(
             chunk = [mid for mid in ids[start : start + block] for _ in range(copies)]
             rng.shuffle(chunk)
             deliveries += chunk
-    time.sleep(max(0.0, start_at - time.time()))  # all workers start together
+    assert _start_together is not None, "a race's pool has start_together as initializer"
+    _start_together.wait(timeout=120)  # all workers start together
     outcomes: Counter[str] = Counter()
     timeline: list[tuple[str, str, float, float | None]] = []
     begins, commits = insert.begins, insert.commits
