@@ -40,6 +40,26 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> None:
     hooks.outbox_headers = add_trace_context
 
 
+def observe_tables(engine: Any, tables: Any = None, meter_provider: Any = None) -> Any:
+    """The gauges operators alert on (backlog, oldest unpublished age, parked events,
+    FAILED records and rows per consumer, rows in DEFAULT) as OpenTelemetry observable
+    gauges, read from ``tables`` at each collection. Returns what registered them."""
+    try:
+        from opentelemetry import metrics
+    except ImportError:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(
+            "telemetry needs the OpenTelemetry API: pip install 'consumerdedup[otel]'"
+        ) from None
+    from ..schema import DEFAULT
+    from .gauges import TableGauges
+    from .metrics import SCOPE
+
+    meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)
+    return TableGauges(engine, tables if tables is not None else DEFAULT, meter)
+
+
 def uninstrument() -> None:
     """Back to no telemetry at all: the hooks empty again."""
     hooks.process = None

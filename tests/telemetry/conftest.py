@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +13,11 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
-from consumerdedup import telemetry
+from consumerdedup import Outbox, install, telemetry
+from consumerdedup.schema import DEFAULT, utcnow
 
 
 @dataclass
@@ -76,3 +80,27 @@ def tree(spans: list[ReadableSpan]) -> str:
     for root in children.get(None, []):
         show(root, 0)
     return "\n".join(lines)
+
+
+def seeded(tmp_path: Path) -> Any:
+    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    install(engine)
+    pe = DEFAULT.processed_events
+    with engine.begin() as conn:
+        for n, outcome in enumerate(["processed", "processed", "failed"]):
+            row = {"consumer": "ledger", "message_id": f"m{n}", "outcome": outcome}
+            conn.execute(pe.insert().values(**row, processed_at=utcnow(), payload_hash="h"))
+        conn.execute(
+            pe.insert().values(
+                consumer="audit",
+                message_id="m0",
+                outcome="processed",
+                processed_at=utcnow(),
+                payload_hash="h",
+            )
+        )
+    with engine.begin() as conn, Session(bind=conn) as session:
+        for n in range(3):
+            Outbox().add(session, "cdd-nowhere", b"{}", key=f"k{n}")
+        session.flush()
+    return engine

@@ -12,16 +12,14 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import create_engine
 
-from consumerdedup import Outbox, install
-from consumerdedup.schema import DEFAULT, utcnow
+from consumerdedup.schema import DEFAULT
 from consumerdedup.telemetry.prometheus import exposition
 from consumerdedup.telemetry.readings import Readings
 from tests.support.rabbitmq_service import amqp_url_fixture  # noqa: F401
+from tests.telemetry.conftest import seeded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,33 +30,6 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for sample in family.samples:
             found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return found
-
-
-def seeded(tmp_path: Path) -> Any:
-    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
-    install(engine)
-    pe = DEFAULT.processed_events
-    with engine.begin() as conn:
-        for n, outcome in enumerate(["processed", "processed", "failed"]):
-            row = {"consumer": "ledger", "message_id": f"m{n}", "outcome": outcome}
-            conn.execute(pe.insert().values(**row, processed_at=utcnow(), payload_hash="h"))
-        conn.execute(
-            pe.insert().values(
-                consumer="audit",
-                message_id="m0",
-                outcome="processed",
-                processed_at=utcnow(),
-                payload_hash="h",
-            )
-        )
-    with engine.begin() as conn:
-        from sqlalchemy.orm import Session
-
-        with Session(bind=conn) as session:
-            for n in range(3):
-                Outbox().add(session, "cdd-nowhere", b"{}", key=f"k{n}")
-            session.flush()
-    return engine
 
 
 def test_the_gauges_parse_with_prometheus_clients_own_parser(tmp_path: Path) -> None:
