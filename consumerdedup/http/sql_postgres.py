@@ -5,7 +5,8 @@ constructs would need several.
 the route's wait (its own lock_timeout, saved and restored in the same statements).
 ``trying_claim``: one statement that takes the key's advisory lock without waiting (or,
 ``lock=False``, none), inserts the claim and reads the record a finished request left.
-Used by sql_statements.KeyStatements on PostgreSQL only.
+``guarded_complete``: the response's UPDATE that fails when the claim is gone, for the
+pipelined COMMIT (sql_pipeline.py). Used by sql_statements.KeyStatements on PostgreSQL only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from sqlalchemy import literal_column, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Executable
+from sqlalchemy.sql.elements import TextClause
 
 from ..db.locks import SPACE_SQL
 
@@ -94,3 +96,32 @@ def trying_claim(table: Any, *, lock: bool = True) -> Executable:
     )
     typed = [table.c[c] for c in read]
     return statement.columns(literal_column("got"), literal_column("claimed"), *typed)
+
+
+def guarded_complete(table: Any, lost: str) -> TextClause:
+    """The response's UPDATE of a claim this transaction holds (its token, in flight), which
+    raises (an integer cast of ``lost``, SQLSTATE 22P02) when it updates no row: sent with
+    the COMMIT in one pipeline (sql_pipeline.commit_with), the error keeps that COMMIT from
+    committing anything. The cast reads count(*), so it is evaluated only then."""
+    quote, name, _, _ = _claim_row(table)
+    c = quote.quote
+    sets = ", ".join(
+        [
+            f"{c('state')} = :b_state",
+            f"{c('status')} = :b_status",
+            f"{c('headers')} = CAST(:b_headers AS json)",
+            f"{c('body')} = :b_body",
+            f"{c('expires_at')} = :b_expires_at",
+            f"{c('token')} = NULL",
+            f"{c('locked_until')} = NULL",
+        ]
+    )
+    where = (
+        f"{c('scope')} = :b_scope AND {c('key')} = :b_key AND {c('token')} = :b_token "
+        f"AND {c('state')} = :b_in_flight"
+    )
+    return text(
+        f"WITH done AS (UPDATE {name} SET {sets} WHERE {where} RETURNING 1) "
+        f"SELECT CAST('{lost} (' || count(*) || ' rows)' AS integer) FROM done "
+        "HAVING count(*) <> 1"
+    )

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -16,10 +17,13 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import TextClause
+from sqlalchemy.sql.selectable import TextualSelect
 
 from ..db import dialects, sqlite
 from ..errors import ConsumerDedupError
-from .sql_statements import KeyStatements, Step, lock_wait
+from . import sql_pipeline
+from .sql_statements import IN_FLIGHT, KeyStatements, Step, lock_wait
 from .store import ClaimResult
 from .stored import StoredResponse
 
@@ -69,6 +73,13 @@ def begin_waiting(conn: Connection, wait: timedelta) -> None:
         conn.exec_driver_sql(f"PRAGMA busy_timeout = {int(previous)}")
 
 
+_LOST = (
+    f"{WHAT}: the request's transaction no longer holds its claim (did the endpoint "
+    "call rollback() on the request's session? that ends the transaction the claim "
+    "lived in, and a twin may have claimed the key since); nothing is committed"
+)
+
+
 class ClaimLost(ConsumerDedupError):
     """Transactional mode: the request's transaction no longer holds its claim (the endpoint
     rolled the session back, which ended the transaction the claim lived in; a twin may have
@@ -87,13 +98,28 @@ def claim_in(
 ) -> ClaimResult:
     """The transactional claim on a blocking Session (the async store runs it in one
     run_sync: the connection, the check and the statement in one greenlet switch)."""
-    conn = session.connection()
+    pipelined = sql_pipeline.take(session) if statements.dialect == "postgresql" else None
+    conn = pipelined if pipelined is not None else session.connection()
+    pg_wait = wait if conn.dialect.name == "postgresql" else None
+    steps = statements.claim_steps(scope, key, fingerprint, now, lease, pg_wait)
+    if pipelined is not None:
+        first = advance(steps, None)
+        assert isinstance(first, tuple)  # a claim has a statement
+        if isinstance(first[0], TextClause | TextualSelect):  # sql_postgres.py's claims
+            rows = sql_pipeline.begin_with(conn, first[0], first[1])  # BEGIN with the claim
+        else:  # in autocommit: without our BEGIN the claim would commit alone
+            conn.exec_driver_sql("BEGIN")
+            rows = list(conn.execute(*first).all())
+        begin(conn)  # verified: a real transaction on a supported driver
+        step = advance(steps, rows)
+        while isinstance(step, tuple):
+            step = advance(steps, conn.execute(*step).all())
+        return step
     if conn.dialect.name == "sqlite":
         begin_waiting(conn, wait)
     else:
         begin(conn)
-    pg_wait = wait if conn.dialect.name == "postgresql" else None
-    return drive_sync(conn, statements.claim_steps(scope, key, fingerprint, now, lease, pg_wait))
+    return drive_sync(conn, steps)
 
 
 def complete_in(
@@ -107,12 +133,18 @@ def complete_in(
     token: str | None,
 ) -> None:
     params = statements.finish_params(scope, key, response, now + expiry)
+    guarded = statements.guarded_complete
+    if token is not None and guarded is not None and sql_pipeline.is_pipelined(session):
+        conn = sql_pipeline.held(session)
+        if conn is None:  # the endpoint rolled the claim's transaction back
+            raise ClaimLost(_LOST)
+        # Stored at the commit, in its round trip: see sql_pipeline.commit_with.
+        values = params | {"b_token": token, "b_in_flight": IN_FLIGHT}
+        values["b_headers"] = json.dumps(params["b_headers"])
+        sql_pipeline.commit_with(conn, guarded, values, ClaimLost)
+        return
     statement = statements.complete_in
     if token is not None:  # the claim this transaction made, not one a twin made since
         statement, params = statements.complete, params | {"b_token": token}
     if session.execute(statement, params).rowcount != 1:  # type: ignore[attr-defined]
-        raise ClaimLost(
-            f"{WHAT}: the request's transaction no longer holds its claim (did the endpoint "
-            "call rollback() on the request's session? that ends the transaction the claim "
-            "lived in, and a twin may have claimed the key since); nothing is committed"
-        )
+        raise ClaimLost(_LOST)

@@ -17,10 +17,12 @@ from typing import Any
 from sqlalchemy import and_, bindparam, delete, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import Executable
+from sqlalchemy.sql.elements import TextClause
 
 from ..db.dialects import require_supported
 from ..schema import Tables
-from .sql_postgres import trying_claim, waiting_claim
+from .sql_pipeline import LOST
+from .sql_postgres import guarded_complete, trying_claim, waiting_claim
 from .store import Claimed, ClaimResult, Completed, InFlight, Mismatch
 from .stored import CorruptStoredResponse, StoredResponse
 
@@ -104,7 +106,9 @@ class KeyStatements:
         self.waiting: tuple[Executable, Executable, Executable] | None = None
         self.trying: Executable | None = None
         self.claim_one: Executable | None = None
+        self.guarded_complete: TextClause | None = None
         if dialect == "postgresql":
+            self.guarded_complete = guarded_complete(t, LOST)
             self.waiting = waiting_claim(t, self.insert, self.reclaim)
             self.trying = trying_claim(t)
             self.claim_one = trying_claim(t, lock=False)

@@ -9,8 +9,10 @@ rolls back, nothing is stored), and so does transaction-control SQL on the
 request's connection (``COMMIT``, ``END``, ``ROLLBACK``, ``BEGIN`` in any
 spelling db.control_sql reads), which would commit or drop the claim behind
 the session's back; ``allow()`` lifts the guard for the middleware's own
-commit. Not refused: the raw DB-API connection's own ``commit()``. Shared by
-the ASGI and WSGI middleware.
+commit. Not refused: the raw DB-API connection's own ``commit()``, except that
+on PostgreSQL's pipelined path (sql_pipeline.py, a connection in autocommit) any
+statement after it, or after the raw ``rollback()``, is. Shared by the ASGI and
+WSGI middleware.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from ..db.control_sql import transaction_control
 from ..errors import ConsumerDedupError
+from . import sql_pipeline
 
 if TYPE_CHECKING:
     from .sql_store import SqlStore
@@ -48,7 +51,17 @@ def hold_commits(session: Session | AsyncSession) -> Callable[[], None]:
                 "response), or make the route non-transactional"
             )
 
+    pipelined = sql_pipeline.is_pipelined(target)
+
     def refuse_sql(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
+        if pipelined and not allowed and sql_pipeline.ended(conn):
+            # The connection is in autocommit (sql_pipeline.py): with its transaction ended
+            # behind the Session's back (the raw DB-API rollback()), this would commit alone.
+            raise CommitInEndpoint(
+                "a transactional idempotent endpoint ended the request's transaction itself "
+                "(the DB-API connection's rollback() or commit()?); leave ending it to the "
+                "middleware, or make the route non-transactional"
+            )
         word = None if allowed else transaction_control(statement, conn.dialect.name)
         if word:
             raise CommitInEndpoint(

@@ -202,3 +202,50 @@ def _twin_meets_the_lock(store: Any, db: Database, first: Any) -> None:
     usual = before.execute(text(setting)).scalar_one()
     before.close()
     assert first.execute(text(setting)).scalar_one() == usual
+
+
+def test_postgresql_pipelined_claim_fails_closed_and_returns_its_connection_as_it_found_it(
+    db: Database,
+) -> None:
+    """PostgreSQL's transactional path (sql_pipeline.py) runs the request's connection in
+    autocommit with our own BEGIN: a transaction ended behind the Session's back must not
+    let a statement commit alone, nor the stored response's COMMIT commit anything, and the
+    pool must get the connection back out of autocommit."""
+    if db.dialect != "postgresql":
+        pytest.skip("the pipelined path is PostgreSQL's (psycopg pipeline mode)")
+    from sqlalchemy import create_engine, func, select
+
+    from consumerdedup.http.sql_store import ClaimLost
+    from consumerdedup.http.transactional import CommitInEndpoint, hold_commits
+
+    engine = create_engine(db.engine.url, pool_size=1, max_overflow=0)  # one connection
+    store = SqlStore(engine, db.tables)
+    table = db.tables.idempotency_keys
+    try:
+        session = Session(engine)
+        try:
+            assert isinstance(store.claim_in(session, "POST /t", "p1", "f", timedelta(0)), Claimed)
+            raw = session.connection().connection.driver_connection
+            assert raw.autocommit and raw.info.transaction_status == 2  # ours: INTRANS
+            hold_commits(session)
+            raw.rollback()  # the DB-API connection's own: the claim is gone
+            with pytest.raises(CommitInEndpoint, match="ended the request's transaction"):
+                session.execute(text("SELECT 1"))
+        finally:
+            session.close()
+        session = Session(engine)
+        try:
+            claimed = store.claim_in(session, "POST /t", "p2", "f", timedelta(0))
+            assert isinstance(claimed, Claimed)
+            session.connection().connection.driver_connection.rollback()
+            store.complete_in(session, "POST /t", "p2", RESPONSE, DAY, claimed.token)
+            with pytest.raises(ClaimLost):
+                session.commit()  # the UPDATE found no claim: its COMMIT never ran
+        finally:
+            session.close()
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.autocommit is False
+            rows = conn.execute(select(func.count()).select_from(table)).scalar_one()
+        assert rows == 0
+    finally:
+        engine.dispose()
