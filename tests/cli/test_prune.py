@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import pika
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert, select, text
 from sqlalchemy.engine import make_url
 
@@ -196,8 +198,9 @@ def test_a_round_is_skipped_while_another_pruner_holds_the_lock(pg: Database) ->
 
 def test_every_runs_rounds_until_sigterm_then_exits_0(db: Database) -> None:
     fill(db)
+    port = free_tcp_port()
     process = subprocess.Popen(
-        command(db, "--retention", "7d", "--every", "1h"),
+        command(db, "--retention", "7d", "--every", "1h", "--metrics-port", str(port)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -214,6 +217,15 @@ def test_every_runs_rounds_until_sigterm_then_exits_0(db: Database) -> None:
     try:
         seen = wait_for_line(lines, "deleted 44 rows", timeout=60)
         assert any("running every 1h until SIGTERM" in line for line in seen)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as got:
+            scraped = {
+                (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(got.read().decode())
+                for sample in family.samples
+            }
+        assert scraped[("consumerdedup_prune_rounds_total", ())] == 1
+        assert scraped[("consumerdedup_prune_deleted_rows_total", ())] >= 44
+        assert scraped[("consumerdedup_database_up", ())] == 1
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
@@ -226,6 +238,15 @@ def test_every_runs_rounds_until_sigterm_then_exits_0(db: Database) -> None:
     assert all(stamp.match(line) for line in [*seen, *rest]), [*seen, *rest]
     assert process.stderr is not None and process.stderr.read() == ""
     assert ages(db, "ledger") == set(range(8))
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def wait_for_line(lines: queue.Queue[str], wanted: str, timeout: float) -> list[str]:
