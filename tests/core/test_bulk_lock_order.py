@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, text
 
 from consumerdedup import Deduplicator, Message, Outbox, Outcome
 from tests.conftest import Database
@@ -184,3 +184,30 @@ def test_asyncio_a_rolled_back_savepoint_takes_its_held_back_event(pg: Database)
     assert asyncio.run(run()) == [Outcome.PROCESSED]
     order = pg.scalar(f"SELECT string_agg(destination, ',' ORDER BY id) FROM {pg.name('outbox')}")
     assert order == "kept,after"
+
+
+def test_bulk_batches_over_the_same_ids_wait_on_the_claim(
+    pg: Database, deadlocks: list[str]
+) -> None:
+    """The claim's rows go in key order: the same 20 ids in opposite orders, many times."""
+    ledger = pg.create_ledger()
+    dedup = Deduplicator(pg.engine, consumer="locks", tables=pg.tables)
+    insert = text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)")
+
+    @dedup.bulk_handler
+    def handle(messages: list[Message], session: Any) -> None:
+        session.execute(insert, [{"m": m.id} for m in messages])
+
+    def process(batch: list[Message]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for round_ in range(10):
+            again = [Message(id=f"r{round_}-{m.body.decode()}", body=m.body) for m in batch]
+            outcomes += handle.batch(again)
+        return outcomes
+
+    results = run_two(process)
+    assert deadlocks == []
+    outcomes = results[0] + results[1]
+    assert outcomes.count(Outcome.PROCESSED) == outcomes.count(Outcome.DUPLICATE) == 200
+    applied = pg.scalar(f"SELECT count(DISTINCT message_id) FROM {ledger}")
+    assert applied == pg.scalar(f"SELECT count(*) FROM {ledger}") == 200
