@@ -28,7 +28,11 @@ class KafkaConfig:
     """Consumer settings, validated at construction; durations are ``timedelta``."""
 
     batch_size: int = 100
-    """Records per ``getmany`` at most; each partition's share is one database transaction."""
+    """Records of one partition per fetch at most: one chunk, one database transaction."""
+    partitions_in_flight: int = 4
+    """Partitions of one fetch handled at once, each chunk in its own transaction on its own
+    database connection (so at most the handler's engine ``pool_size``; 1 on SQLite); each
+    partition's chunks stay in offset order. 1: one partition after another."""
     poll_timeout: timedelta = timedelta(milliseconds=500)
     """Longest wait in ``getmany``: bounds how late ``stop()`` is noticed when idle."""
     retry_delay: timedelta = timedelta(seconds=1)
@@ -58,6 +62,10 @@ class KafkaConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigurationError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
+        if not isinstance(self.partitions_in_flight, int) or self.partitions_in_flight < 1:
+            raise ConfigurationError(
+                f"partitions_in_flight must be an int >= 1, got {self.partitions_in_flight!r}"
+            )
         if self.poll_timeout <= timedelta(0):
             raise ConfigurationError("poll_timeout must be positive")
         if self.retry_backoff is not None:

@@ -19,7 +19,7 @@ from .convert import to_message
 from .dead_letters import DeadLetters
 from .publisher import KafkaPublisher
 from .retry_later import RetrySchedule
-from .subscription import RebalanceListener
+from .subscription import InFlight, RebalanceListener, all_of, in_flight_limit
 
 logger = logging.getLogger("consumerdedup.kafka")
 
@@ -37,7 +37,10 @@ class KafkaConsumerRunner(ConsumerRunner):
       the same record in a row, up to ``max_retry_delay``) and is
       re-read from that record. Nothing behind a RETRY record commits before
       it: the records behind it are RETRY too, and come again after it.
-    - A rebalance waits for the batch in flight to finish and commit; records
+    - The partitions of one fetch are handled concurrently, up to
+      ``partitions_in_flight`` chunks at once (each its own transaction and
+      database connection), each partition's chunks one after another.
+    - A rebalance waits for the chunks in flight to finish and commit; records
       fetched before it and not yet handled are dropped, the new owner reads
       them from the committed offset.
     - Auto-commit is off, so a crash, a cancel or a SimulatedCrash commits
@@ -70,8 +73,8 @@ class KafkaConsumerRunner(ConsumerRunner):
         self.group_id = group_id or self.processor.consumer
         self.consumer: Any = None
         """The AIOKafkaConsumer while ``run()`` runs."""
-        self._epoch = 0  # bumped by each revocation: fetched records from before are stale
-        self._lock = asyncio.Lock()  # held by the batch in flight; a revocation waits on it
+        self._in_flight = InFlight()  # the chunks a revocation waits for
+        self._width = 1  # chunks in flight at most, set by run() from the handler's engine
         self._schedule = RetrySchedule(self.config.redelivery_backoff)
         self._positions: dict[Any, int] = {}  # partition -> offset the runner reads from next
 
@@ -98,7 +101,8 @@ class KafkaConsumerRunner(ConsumerRunner):
         dead_letters = DeadLetters(publisher, cfg, self.processor.consumer)
         self._schedule.paused.clear()
         self._positions.clear()
-        self._lock = asyncio.Lock()  # bound to this run's event loop
+        self._in_flight = InFlight()  # bound to this run's event loop
+        self._width = in_flight_limit(self.handler.dedup.engine, cfg.partitions_in_flight)
         self.consumer = consumer
         try:
             try:
@@ -121,17 +125,12 @@ class KafkaConsumerRunner(ConsumerRunner):
             await publisher.stop()
 
     async def _consume(self, consumer: Any, dead_letters: DeadLetters, until_idle: bool) -> None:
-        size, schedule = self.config.batch_size, self._schedule
+        schedule = self._schedule
         poll = self.config.poll_timeout.total_seconds()
         while not self.stopping:
             schedule.resume_due(consumer)
-            # Up to batch_size records per assigned partition; each partition's share is then
-            # handled in chunks of batch_size.
             try:
-                fetched = await consumer.getmany(
-                    timeout_ms=schedule.wait_ms(poll),
-                    max_records=size * max(1, len(consumer.assignment())),
-                )
+                fetched = await self._fetch(consumer, schedule.wait_ms(poll))
             except undecodable.UNDECODABLE:
                 try:
                     await self._read_alone(consumer, dead_letters)
@@ -144,18 +143,39 @@ class KafkaConsumerRunner(ConsumerRunner):
                 continue
             await self._handle_fetch(consumer, dead_letters, fetched)
 
+    async def _fetch(self, consumer: Any, wait_ms: int) -> dict[Any, list[Any]]:
+        """Up to batch_size records of each partition that has some: the first getmany waits
+        for any, the others take what the fetcher holds already. One getmany for all would
+        fill its max_records from one partition before the next, and leave nothing to handle
+        beside it."""
+        size = self.config.batch_size
+        fetched: dict[Any, list[Any]] = await consumer.getmany(timeout_ms=wait_ms, max_records=size)
+        if fetched:
+            for tp in consumer.assignment() - fetched.keys() - consumer.paused():
+                fetched.update(await consumer.getmany(tp, timeout_ms=0, max_records=size))
+        return fetched
+
     async def _handle_fetch(
         self, consumer: Any, dead_letters: DeadLetters, fetched: dict[Any, list[Any]]
     ) -> None:
-        epoch, size = self._epoch, self.config.batch_size
-        for tp, records in fetched.items():
+        epoch, size = self._in_flight.epoch, self.config.batch_size
+        slots = asyncio.Semaphore(self._width)  # FIFO: the partitions take turns
+
+        async def partition(tp: Any, records: list[Any]) -> None:
             for start in range(0, len(records), size):
-                async with self._lock:
-                    if self.stopping or epoch != self._epoch:
-                        return  # stop asked, or a rebalance made the rest of this fetch stale
-                    chunk = records[start : start + size]
-                    if not await self._handle(consumer, dead_letters, tp, chunk):
-                        break  # the partition was sent back to a record: the rest comes again
+                async with slots:
+                    # Stop asked, or a rebalance made the rest of this fetch stale.
+                    if self.stopping or not self._in_flight.begin(epoch):
+                        return
+                    try:
+                        chunk = records[start : start + size]
+                        handled = await self._handle(consumer, dead_letters, tp, chunk)
+                    finally:
+                        self._in_flight.end()
+                if not handled:
+                    return  # the partition was sent back to a record: the rest comes again
+
+        await all_of([partition(tp, records) for tp, records in fetched.items()])
 
     async def _read_alone(self, consumer: Any, dead_letters: DeadLetters) -> None:
         """A record of some partition cannot be decoded (see ``undecodable``): every partition
@@ -163,18 +183,20 @@ class KafkaConsumerRunner(ConsumerRunner):
         refused like any unreadable record, and its partition goes on after it."""
         reset = self.config.consumer_options.get("auto_offset_reset", "earliest")
         await undecodable.rewind(consumer, self._positions, reset)
-        epoch, wait = self._epoch, int(self.config.poll_timeout.total_seconds() * 1000)
+        epoch, wait = self._in_flight.epoch, int(self.config.poll_timeout.total_seconds() * 1000)
         for tp in sorted(consumer.assignment() - set(self._schedule.paused), key=str):
             found, refused = await undecodable.read_alone(
                 consumer, tp, self.config.batch_size, wait, lambda: self.stopping
             )
-            async with self._lock:
-                if self.stopping or epoch != self._epoch:
-                    return
+            if self.stopping or not self._in_flight.begin(epoch):
+                return
+            try:
                 if found and not await self._handle(consumer, dead_letters, tp, found):
                     continue  # sought back: the range comes again after them
                 if refused:
                     await self._handle(consumer, dead_letters, tp, refused)
+            finally:
+                self._in_flight.end()
 
     async def _handle(
         self, consumer: Any, dead_letters: DeadLetters, tp: Any, records: Sequence[Any]
@@ -202,8 +224,7 @@ class KafkaConsumerRunner(ConsumerRunner):
         return await self.processor.process(delivered, ordered=True)
 
     async def _revoked(self, revoked: Any) -> None:
-        async with self._lock:  # the batch in flight finishes and commits first
-            self._epoch += 1
-            for tp in revoked:
-                self._schedule.forget(tp)
-                self._positions.pop(tp, None)
+        await self._in_flight.revoke()  # the chunks in flight finish and commit first
+        for tp in revoked:
+            self._schedule.forget(tp)
+            self._positions.pop(tp, None)

@@ -1,12 +1,23 @@
-"""The group subscription: the rebalance listener that tells the runner of a revocation."""
+"""The group subscription: the rebalance listener, and the chunks in flight it waits for.
+
+Several partitions of one fetch are handled at once (``KafkaConfig.partitions_in_flight``),
+each chunk its own transaction. A revocation first stops new chunks from starting (the
+fetch they came from is stale: the new owner reads them from the committed offset), then
+waits until every chunk in flight has committed its transaction and its offset, so the
+group moves on with the offsets of everything that was recorded, and nothing past it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiokafka import ConsumerRebalanceListener  # type: ignore[import-untyped]
+from sqlalchemy.pool import NullPool, QueuePool
 
+logger = logging.getLogger("consumerdedup.kafka")
 OnRevoked = Callable[[Any], Awaitable[None]]
 """Called with the revoked partitions; the rebalance goes on once it returns."""
 
@@ -22,3 +33,79 @@ class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         pass
+
+
+class InFlight:
+    """The chunks being handled, and the epoch a revocation bumps. Made per run: its
+    event binds to the run's loop."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        """Bumped by each revocation: records fetched before it are stale."""
+        self._count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin(self, epoch: int) -> bool:
+        """A chunk of a fetch made at ``epoch`` starts; False (nothing started) if a
+        revocation came since. Each True is followed by one ``end()``."""
+        if epoch != self.epoch:
+            return False
+        self._count += 1
+        self._idle.clear()
+        return True
+
+    def end(self) -> None:
+        self._count -= 1
+        if not self._count:
+            self._idle.set()
+
+    async def revoke(self) -> None:
+        """No chunk of an earlier fetch starts from now on; returns once none is in flight."""
+        self.epoch += 1
+        await self._idle.wait()
+
+
+def in_flight_limit(engine: Any, wanted: int) -> int:
+    """How many chunks may be in flight at once: ``wanted``, or fewer where the handler's
+    engine cannot give each its own connection. Each chunk holds one connection for its
+    transaction; more chunks than the pool holds would wait for one (and time out).
+    SQLite takes one writer at a time: concurrent chunks would only queue on its lock."""
+    sync_engine = getattr(engine, "sync_engine", engine)
+    pool = getattr(sync_engine, "pool", None)
+    if getattr(getattr(sync_engine, "dialect", None), "name", "") == "sqlite":
+        limit = 1
+    elif isinstance(pool, QueuePool):  # the async engines' AsyncAdaptedQueuePool too
+        limit = max(1, pool.size())
+    elif isinstance(pool, NullPool):  # a new connection each time
+        limit = wanted
+    else:  # StaticPool, SingletonThreadPool, AssertionPool: one connection, shared
+        limit = 1
+    if limit < wanted:
+        logger.info(
+            "%d partition chunks in flight at most, not %d: the handler's engine has %d "
+            "connection(s) to give (pool_size)",
+            limit,
+            wanted,
+            limit,
+        )
+    return min(limit, wanted)
+
+
+async def all_of(work: Sequence[Awaitable[None]]) -> None:
+    """Await every one of ``work`` concurrently. The first to raise cancels the others
+    (their transactions roll back, their offsets stay uncommitted) and its error is
+    raised as it is, not in an ExceptionGroup."""
+    if len(work) == 1:
+        await work[0]
+        return
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # an error in one, or this coroutine cancelled
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error

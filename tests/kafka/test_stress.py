@@ -281,8 +281,18 @@ async def test_a_crash_between_the_database_and_the_offset_commit_is_answered_du
             raise SimulatedCrash("killed after the database commit, before the offset commit")
 
     handle = handler(engine, pg.tables, ledger)
+    # One chunk in flight: the crash then falls between exactly one batch's database commit
+    # and its offset commit (with more, a sibling's commit may land as the crash cancels it;
+    # test_concurrent_partitions has that case).
     crashing = make_runner(
-        kafka, kafka.bootstrap, handle, topic, group, die_on_third, batch_size=25
+        kafka,
+        kafka.bootstrap,
+        handle,
+        topic,
+        group,
+        die_on_third,
+        batch_size=25,
+        partitions_in_flight=1,
     )
     with pytest.raises(SimulatedCrash):
         await crashing.run(until_idle=True)
