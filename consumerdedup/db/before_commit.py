@@ -12,9 +12,10 @@ keys' locks in one order (by hash, as the claim lock of a partitioned table),
 then the rows in the order they were added. The per-key promise is unchanged: a
 key's lock is held from before its row is numbered until COMMIT.
 
-The drivers open the queue for a transaction (``open``) before its first
-handler call, and drop it with a rollback (``discard``); outside a pipeline
-transaction nothing is queued and ``Outbox.add`` writes at once.
+The drivers open a queue for each attempt's transaction (``open_queue``), flush it
+at COMMIT, and drop it at a rollback and when the attempt ends (``discard``), so
+outside a pipeline transaction nothing is queued and ``Outbox.add`` writes at once,
+even on a session a factory hands out again.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class Deferred(Protocol):
 
 
 def open_queue(session: Session | AsyncSession) -> None:
-    """Start holding back writes in ``session``'s transaction (kept if already open)."""
-    session.info.setdefault(KEY, {})
+    """Start holding back writes in ``session``'s transaction: a fresh queue, whatever an
+    earlier transaction of a reused session left."""
+    session.info[KEY] = {}
 
 
 def queue(session: Session | AsyncSession) -> dict[Any, Any] | None:

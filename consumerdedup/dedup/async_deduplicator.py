@@ -144,7 +144,10 @@ class AsyncDedupHandler:
     async def _attempt(self, batch: Batch) -> AttemptReport:
         async with self.dedup.session_factory() as session:
             before_commit.open_queue(session)  # outbox key locks: in one order, at COMMIT
-            return await self._drive(self._pipeline.attempt(batch), session)
+            try:
+                return await self._drive(self._pipeline.attempt(batch), session)
+            finally:  # a reused session (scoped_session) must not hold writes back later
+                before_commit.discard(session)
 
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
         reply: Any = None

@@ -152,7 +152,10 @@ class DedupHandler:
     def _attempt(self, batch: Batch) -> AttemptReport:
         with self.dedup.session_factory() as session:
             before_commit.open_queue(session)  # outbox key locks: in one order, at COMMIT
-            return self._drive(self._pipeline.attempt(batch), session)
+            try:
+                return self._drive(self._pipeline.attempt(batch), session)
+            finally:  # a reused session (scoped_session) must not hold writes back later
+                before_commit.discard(session)
 
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
         reply: Any = None

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event, text
 
-from consumerdedup import Deduplicator, Message, Outbox, Outcome
+from consumerdedup import Deduplicator, Message, Outbox, Outcome, PermanentError
 from tests.conftest import Database
 
 KEYS = [f"k-{i:02d}" for i in range(20)]
@@ -211,3 +211,29 @@ def test_bulk_batches_over_the_same_ids_wait_on_the_claim(
     assert outcomes.count(Outcome.PROCESSED) == outcomes.count(Outcome.DUPLICATE) == 200
     applied = pg.scalar(f"SELECT count(DISTINCT message_id) FROM {ledger}")
     assert applied == pg.scalar(f"SELECT count(*) FROM {ledger}") == 200
+
+
+def test_a_reused_session_writes_at_once_after_the_pipeline(pg: Database) -> None:
+    """A session factory that hands out one session (scoped_session): after the pipeline's
+    attempt, and after a failed one, Outbox.add on it writes at once again."""
+    from sqlalchemy.orm import Session
+
+    shared = Session(pg.engine, expire_on_commit=False)
+    outbox = Outbox(pg.tables)
+    dedup = Deduplicator(
+        pg.engine, consumer="locks", tables=pg.tables, session_factory=lambda: shared
+    )
+
+    @dedup.handler
+    def handle(message: Message, session: Any) -> None:
+        outbox.add(session, "in-handler", b"x", key="k")
+        if message.id == "bad":
+            raise PermanentError("refused")
+
+    assert handle.batch([Message(id="bad", body=b"x")]) == [Outcome.FAILED]
+    assert handle.batch([Message(id="good", body=b"x")]) == [Outcome.PROCESSED]
+    with shared.begin():
+        outbox.add(shared, "outside", b"x", key="k")
+    shared.close()
+    order = pg.scalar(f"SELECT string_agg(destination, ',' ORDER BY id) FROM {pg.name('outbox')}")
+    assert order == "in-handler,outside"
