@@ -28,6 +28,7 @@ from collections.abc import Generator
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..telemetry import hooks
 from . import problems
 from .fingerprint import RequestFacts
 from .keys import HEADER, InvalidIdempotencyKey, key_label, parse_key
@@ -92,6 +93,16 @@ def should_store(status: int) -> bool:
 
 
 def decide(
+    request: Incoming, policy: IdempotencyPolicy, *, lock_waits: bool = True
+) -> Generator[Operation, Any, Decision]:
+    """``_decide``, its decision told to telemetry (a span event on the request's span)."""
+    decision = yield from _decide(request, policy, lock_waits=lock_waits)
+    if hooks.http_decision is not None:
+        hooks.http_decision(decision)
+    return decision
+
+
+def _decide(
     request: Incoming, policy: IdempotencyPolicy, *, lock_waits: bool = True
 ) -> Generator[Operation, Any, Decision]:
     """The algorithm for one request (see the module docstring for the protocol).

@@ -30,7 +30,7 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> None:
             "telemetry needs the OpenTelemetry API: pip install 'consumerdedup[otel]'"
         ) from None
     from .metrics import SCOPE, Instruments
-    from .tracing import Tracing, add_trace_context
+    from .tracing import Tracing, add_trace_context, http_decision
 
     tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
     meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)
@@ -38,6 +38,7 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> None:
     hooks.process = tracing
     hooks.send = tracing.send
     hooks.outbox_headers = add_trace_context
+    hooks.http_decision = http_decision
 
 
 def observe_tables(engine: Any, tables: Any = None, meter_provider: Any = None) -> Any:
@@ -65,3 +66,4 @@ def uninstrument() -> None:
     hooks.process = None
     hooks.send = None
     hooks.outbox_headers = None
+    hooks.http_decision = None

@@ -1,4 +1,4 @@
-"""Where telemetry plugs into the message path: three slots, empty until ``instrument()``.
+"""Where telemetry plugs into the message path: four slots, empty until ``instrument()``.
 
 The per-message code reads a slot and goes on when it is None: one global read
 per batch, nothing imported, no allocation. This module imports nothing, so the
@@ -30,3 +30,5 @@ send: Callable[[object, Sequence[Any], SendWindow], list[Any]] | None = None
 """The relay's Sender publishes a window through ``send(publisher, messages, publish)``."""
 outbox_headers: Callable[[dict[str, str]], None] | None = None
 """``Outbox.add`` lets it add the current trace context to a new event's headers."""
+http_decision: Callable[[object], None] | None = None
+"""The HTTP idempotency flow tells it each request's decision (a span event)."""

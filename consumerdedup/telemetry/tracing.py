@@ -63,6 +63,28 @@ def add_trace_context(headers: dict[str, str]) -> None:
     headers.update(carrier)
 
 
+def http_decision(decision: object) -> None:
+    """The idempotency middleware's decision as an event on the request's current span:
+    ``consumerdedup.idempotency`` with ``consumerdedup.idempotency.decision`` (stored,
+    not_stored, replayed, refused) and the status of a response it gave itself."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    kind = type(decision).__name__
+    attributes: dict[str, Any] = {}
+    if kind == "SendCaptured":
+        attributes["consumerdedup.idempotency.decision"] = (
+            "stored" if getattr(decision, "stored", False) else "not_stored"
+        )
+    elif kind == "Respond":
+        replayed = bool(getattr(decision, "replayed", False))
+        attributes["consumerdedup.idempotency.decision"] = "replayed" if replayed else "refused"
+        attributes["http.response.status_code"] = decision.response.status  # type: ignore[attr-defined]
+    else:
+        return  # PassThrough: not an idempotent route
+    span.add_event("consumerdedup.idempotency", attributes)
+
+
 def _delivery(delivered: Any) -> Message:
     message: Message = delivered[0] if isinstance(delivered, tuple) else delivered
     return message
