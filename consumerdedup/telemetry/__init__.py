@@ -34,7 +34,16 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> None:
 
     tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
     meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)
-    tracing = Tracing(tracer, Instruments(meter))
+    idle = None
+    if tracer_provider is None and meter_provider is None:
+        globals_now = (trace.get_tracer_provider(), metrics.get_meter_provider())
+        # OpenTelemetry's proxies until the application sets its SDK: nothing to record yet.
+        if (
+            isinstance(globals_now[0], trace.ProxyTracerProvider)
+            and "Proxy" in type(globals_now[1]).__name__
+        ):
+            idle = globals_now
+    tracing = Tracing(tracer, Instruments(meter), idle)
     hooks.process = tracing
     hooks.send = tracing.send
     hooks.outbox_headers = add_trace_context

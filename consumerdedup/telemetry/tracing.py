@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import metrics, propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from ..headers import ID_HEADER
@@ -90,17 +90,50 @@ def _delivery(delivered: Any) -> Message:
     return message
 
 
-class Tracing:
-    """The three hooks over a tracer and the instruments."""
+class _Idle:
+    """The token of a batch while no SDK is set up: nothing to record, nothing to end."""
 
-    def __init__(self, tracer: trace.Tracer, instruments: Instruments) -> None:
+    def finish(self, results: Sequence[Result]) -> None:
+        pass
+
+    def fail(self, error: BaseException) -> None:
+        pass
+
+
+IDLE = _Idle()
+
+
+class Tracing:
+    """The hooks over a tracer and the instruments.
+
+    ``idle``: the global providers as they were at ``instrument()`` when it was given
+    none and the application had set none (OpenTelemetry's proxies). While they are
+    still the globals no SDK is set up: the hooks do nothing (two reads per batch).
+    """
+
+    def __init__(
+        self, tracer: trace.Tracer, instruments: Instruments, idle: tuple[object, object] | None
+    ) -> None:
         self.tracer = tracer
         self.instruments = instruments
+        self.idle = idle
         self._retried: OrderedDict[tuple[str, str], trace.SpanContext] = OrderedDict()
+
+    def live(self) -> bool:
+        """Whether an SDK is set up (once it is, it stays)."""
+        idle = self.idle
+        if idle is None:
+            return True
+        if trace.get_tracer_provider() is idle[0] and metrics.get_meter_provider() is idle[1]:
+            return False
+        self.idle = None
+        return True
 
     # consumer side
 
-    def start(self, consumer: str, deliveries: Sequence[Any]) -> ProcessSpans:
+    def start(self, consumer: str, deliveries: Sequence[Any]) -> ProcessSpans | _Idle:
+        if not self.live():
+            return IDLE
         messages = [_delivery(d) for d in deliveries]
         return ProcessSpans(self, consumer, messages)
 
@@ -133,6 +166,8 @@ class Tracing:
 
     def send(self, publisher: object, messages: Sequence[Any], publish: Any) -> list[Any]:
         """The relay's hook: a PRODUCER span per message around the window's publish."""
+        if not self.live():
+            return list(publish(messages))
         system = publisher_system(publisher)
         relay_link = trace.get_current_span().get_span_context()
         spans, outgoing = [], []

@@ -103,3 +103,20 @@ def test_a_batch_span_counts_links_and_parents_one_span_per_message(
     assert len(children) == 3
     assert all(c.parent is not None and c.parent.span_id == batch.context.span_id for c in children)
     assert {dict(c.attributes or {})["consumerdedup.outcome"] for c in children} == {"processed"}
+
+
+def test_without_an_sdk_set_up_the_hooks_do_nothing() -> None:
+    from opentelemetry import trace
+
+    from consumerdedup import telemetry
+    from consumerdedup.telemetry import hooks
+    from consumerdedup.telemetry.tracing import IDLE
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return  # another test of this process set a global SDK: nothing to show here
+    telemetry.instrument()
+    try:
+        assert hooks.process is not None
+        assert hooks.process.start("c", [Message("m", b"")]) is IDLE
+    finally:
+        telemetry.uninstrument()
