@@ -27,7 +27,7 @@ from ..db import locks
 from ..schema import Tables
 
 WINDOW = 4
-"""Rows scanned per round, as a multiple of the batch size."""
+"""Rows the second pass of a PostgreSQL claim scans, as a multiple of the batch size."""
 LOCK_TRIES = 3
 """Statements a round may spend taking key locks before it settles for what it has."""
 
@@ -67,7 +67,7 @@ class RelayStatements:
         )
         # Asked again once the rows' keys are locked: between the scan and the lock another
         # relay may have published, backed off or parked a row, or held its key back.
-        rows = select(
+        columns = (
             ob.c.id,
             ob.c.event_id,
             ob.c.destination,
@@ -75,7 +75,8 @@ class RelayStatements:
             ob.c.body,
             ob.c.headers,
             ob.c.attempts,
-        ).where(self._in_ids(), *may_go)
+        )
+        rows = select(*columns).where(self._in_ids(), *may_go)
         self._rows = rows.order_by(ob.c.id)
         if self.postgres:
             self._rows = self._rows.with_for_update(skip_locked=True, of=ob)
@@ -87,6 +88,48 @@ class RelayStatements:
             space = locks.space(locks.RELAY, ob)
             self._lock_keys = select(keys.c.k).where(
                 func.pg_try_advisory_xact_lock(space, func.hashtext(keys.c.k))
+            )
+            # The first pass claims in one statement: a batch of rows that may go (scan),
+            # each of their keys tested once (MATERIALIZED: one answer per key, so no later
+            # row of a key passes after an earlier one failed), and the rows of the keys
+            # this transaction locked, row-locked (no row of a key another relay holds is
+            # locked here).
+            scan = select(ob.c.id, ob.c.key).where(*may_go).order_by(ob.c.id)
+            scan_cte = scan.limit(bindparam("limit")).cte("scan").prefix_with("MATERIALIZED")
+            distinct_keys = select(scan_cte.c.key).where(scan_cte.c.key.is_not(None)).distinct()
+            tried = distinct_keys.subquery("tried")
+            locked = (
+                select(tried.c.key)
+                .where(func.pg_try_advisory_xact_lock(space, func.hashtext(tried.c.key)))
+                .cte("locked")
+                .prefix_with("MATERIALIZED")
+            )
+            mine = select(scan_cte.c.id).where(
+                or_(scan_cte.c.key.is_(None), scan_cte.c.key.in_(select(locked.c.key)))
+            )
+            scanned = select(func.count()).select_from(scan_cte).scalar_subquery()
+            self._claim_locked = (
+                select(*columns, scanned.label("scanned"))
+                .where(
+                    ob.c.id.in_(mine),
+                    *live,
+                    ob.c.parked_at.is_(None),
+                    or_(ob.c.attempts == 0, ob.c.available_at <= bindparam("now")),
+                )
+                .order_by(ob.c.id)
+                .with_for_update(skip_locked=True, of=ob)
+            )
+            # Asked in a statement of its own, whose snapshot follows the locks: a relay that
+            # held a key until a moment ago may have backed off or parked an older row of it.
+            self._blocked_now = (
+                select(ob.c.key, func.min(ob.c.id))
+                .where(
+                    *live,
+                    ob.c.attempts > 0,
+                    ob.c.key == any_(bindparam("keys", type_=ARRAY(Text))),
+                    or_(ob.c.available_at > bindparam("now"), parked),
+                )
+                .group_by(ob.c.key)
             )
         self._published = (
             update(ob).where(self._in_ids()).values(published_at=bindparam("now"), last_error=None)
@@ -121,31 +164,37 @@ class RelayStatements:
     def claim(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
         """Rows this relay alone may publish now, in id order, locked until commit.
 
-        The scan covers one batch first; when other relays hold some of its keys, it
-        widens to ``WINDOW`` batches, so that concurrent relays, finding the first keys
-        locked, take the next ones instead of going home empty. A relay alone scans,
-        locks and reads each row once.
-        """
-        scan, mine = limit, set[str]()
-        while True:
-            candidates = list(conn.execute(self._candidates, {"now": now, "limit": scan}))
-            found = len(candidates)
-            if self.postgres:
-                candidates = self._lock_keys_for(conn, candidates, limit, mine)
-            wider = limit * WINDOW
-            if len(candidates) >= limit or scan >= wider or found < scan:
-                break  # enough, or the widest scan, or no more rows to find
-            scan = wider
+        PostgreSQL, first pass: one claiming statement over a batch's worth of rows, then
+        the keys' hold-backs asked again; a relay alone is done then. When other relays
+        hold some of those keys, a second pass scans ``WINDOW`` batches, so relays side by
+        side take the next keys instead of going home empty."""
+        if self.postgres:
+            rows = self._first_pass(conn, now, limit)
+            if rows and len(rows) >= min(limit, rows[0].scanned):
+                return rows  # a full batch, or every row the scan found
+            mine = {row.key for row in rows if row.key is not None}
+        params = {"now": now, "limit": limit * WINDOW if self.postgres else limit}
+        candidates = list(conn.execute(self._candidates, params))
+        if self.postgres:
+            candidates = self._lock_keys_for(conn, candidates, limit, mine)
         ids = [row.id for row in candidates][:limit]
         if not ids:
             return []
-        return list(conn.execute(self._rows, {"ids": ids, "now": now}).all())
+        params = {"ids": ids, "now": now}
+        return list(conn.execute(self._rows, params).all())
+
+    def _first_pass(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
+        rows = list(conn.execute(self._claim_locked, {"now": now, "limit": limit}).all())
+        if keys := sorted({row.key for row in rows if row.key is not None}):
+            blocked = dict(conn.execute(self._blocked_now, {"keys": keys, "now": now}).all())
+            rows = [r for r in rows if r.key not in blocked or r.id < blocked[r.key]]
+        return rows
 
     def _lock_keys_for(
         self, conn: Connection, candidates: list[Any], limit: int, mine: set[str]
     ) -> list[Any]:
-        """Lock keys in order of their oldest row until they cover ``limit`` rows; ``mine``
-        holds the keys this transaction locked already, and gains the new ones."""
+        """Lock keys in order of their oldest row until they cover ``limit`` rows (``mine``:
+        the keys held already; it gains the new ones)."""
         per_key: dict[str, int] = {}
         loose = 0
         for row in candidates:
