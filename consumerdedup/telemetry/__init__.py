@@ -29,8 +29,9 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> None:
         raise ConfigurationError(
             "telemetry needs the OpenTelemetry API: pip install 'consumerdedup[otel]'"
         ) from None
+    from .events import add_trace_context, http_decision
     from .metrics import SCOPE, Instruments
-    from .tracing import Tracing, add_trace_context, http_decision
+    from .tracing import Tracing
 
     tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
     meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)

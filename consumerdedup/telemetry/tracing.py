@@ -17,6 +17,7 @@ stack trace are scrubbed like a reason (never a bound parameter).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,65 +25,17 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, SpanKind
 
 from ..headers import ID_HEADER
 from ..message import Message
-from ..observe import scrubbed_traceback
 from ..outcome import Outcome, Result
-from ..reasons import describe
 from .attributes import consumer_attributes, producer_attributes, publisher_system, system_of
+from .events import TRACE_HEADERS, record_error
 from .metrics import Instruments
 
 RETRIES_REMEMBERED = 10_000
 """Span contexts of RETRY outcomes kept for the next delivery's link (oldest dropped)."""
-_TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
-
-
-def record_error(span: Any, error: BaseException) -> None:
-    """``error.type``, an ERROR status and a scrubbed ``exception`` event on ``span``."""
-    span.set_attribute("error.type", type(error).__qualname__)
-    span.set_status(Status(StatusCode.ERROR, describe(error)))
-    span.add_event(
-        "exception",
-        {
-            "exception.type": type(error).__qualname__,
-            "exception.message": describe(error),
-            "exception.stacktrace": scrubbed_traceback(error),
-        },
-    )
-
-
-def add_trace_context(headers: dict[str, str]) -> None:
-    """Outbox.add's hook: the current context into the event's headers (the caller's own
-    traceparent, if it gave one, stands)."""
-    if any(name in headers for name in _TRACE_HEADERS):
-        return
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    headers.update(carrier)
-
-
-def http_decision(decision: object) -> None:
-    """The idempotency middleware's decision as an event on the request's current span:
-    ``consumerdedup.idempotency`` with ``consumerdedup.idempotency.decision`` (stored,
-    not_stored, replayed, refused) and the status of a response it gave itself."""
-    span = trace.get_current_span()
-    if not span.is_recording():
-        return
-    kind = type(decision).__name__
-    attributes: dict[str, Any] = {}
-    if kind == "SendCaptured":
-        attributes["consumerdedup.idempotency.decision"] = (
-            "stored" if getattr(decision, "stored", False) else "not_stored"
-        )
-    elif kind == "Respond":
-        replayed = bool(getattr(decision, "replayed", False))
-        attributes["consumerdedup.idempotency.decision"] = "replayed" if replayed else "refused"
-        attributes["http.response.status_code"] = decision.response.status  # type: ignore[attr-defined]
-    else:
-        return  # PassThrough: not an idempotent route
-    span.add_event("consumerdedup.idempotency", attributes)
 
 
 def _delivery(delivered: Any) -> Message:
@@ -118,6 +71,7 @@ class Tracing:
         self.instruments = instruments
         self.idle = idle
         self._retried: OrderedDict[tuple[str, str], trace.SpanContext] = OrderedDict()
+        self._retried_lock = threading.Lock()  # runners of several threads share it
 
     def live(self) -> bool:
         """Whether an SDK is set up (once it is, it stays)."""
@@ -154,13 +108,16 @@ class Tracing:
         return producer, links
 
     def remember_retry(self, consumer: str, message: Message, span: Any) -> None:
-        self._retried[(consumer, str(message.id))] = span.get_span_context()
-        self._retried.move_to_end((consumer, str(message.id)))
-        while len(self._retried) > RETRIES_REMEMBERED:
-            self._retried.popitem(last=False)
+        with self._retried_lock:
+            self._retried[(consumer, str(message.id))] = span.get_span_context()
+            self._retried.move_to_end((consumer, str(message.id)))
+            while len(self._retried) > RETRIES_REMEMBERED:
+                self._retried.popitem(last=False)
 
     def forget_retry(self, consumer: str, message: Message) -> None:
-        self._retried.pop((consumer, str(message.id)), None)
+        if self._retried:
+            with self._retried_lock:
+                self._retried.pop((consumer, str(message.id)), None)
 
     # relay side
 
@@ -181,7 +138,7 @@ class Tracing:
             span = self.tracer.start_span(
                 f"send {message.destination}", parent, SpanKind.PRODUCER, attributes, links
             )
-            headers = {k: v for k, v in message.headers.items() if k not in _TRACE_HEADERS}
+            headers = {k: v for k, v in message.headers.items() if k not in TRACE_HEADERS}
             propagate.inject(headers, context=trace.set_span_in_context(span, parent))
             spans.append(span)
             outgoing.append(message._replace(headers=headers))
