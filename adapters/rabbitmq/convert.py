@@ -63,20 +63,19 @@ def _converted(delivery: Delivery, queue: str, config: RabbitConfig) -> tuple[Me
         raise TypeError(f"the headers are a {type(raw_headers).__name__}, not a table")
     if not isinstance(delivery.body, bytes):
         raise TypeError(f"the body is a {type(delivery.body).__name__}, not bytes")
+    # The message_id property, else the header passed as found (one that is not text, bytes
+    # or a number, fails validation); the Message is made once, with its id.
+    found_id = props.message_id if props.message_id else raw_headers.get(config.id_header)
     message = Message(
-        id=None,
+        id=found_id,
         body=delivery.body,
         headers={str(k): _text(v) for k, v in raw_headers.items()},
         source=queue,
         timestamp=_timestamp(props.timestamp),
         raw=delivery,
     )
-    if props.message_id:
-        return replace(message, id=props.message_id), None
-    header = raw_headers.get(config.id_header)
-    if header is not None:
-        # Passed as found: a header that is not text (bytes, a number) fails validation.
-        return replace(message, id=header), None
+    if found_id is not None:
+        return message, None
     missing = f"no message id: no message_id property and no {config.id_header!r} header"
     if config.key is None:
         return message, missing
