@@ -120,3 +120,15 @@ def test_without_an_sdk_set_up_the_hooks_do_nothing() -> None:
         assert hooks.process.start("c", [Message("m", b"")]) is IDLE
     finally:
         telemetry.uninstrument()
+
+
+def test_the_replaced_names_too_when_opted_in(monkeypatch: Any) -> None:
+    from consumerdedup.telemetry import attributes
+
+    message = Message("m", b"", source="orders")
+    assert "messaging.operation" not in attributes.consumer_attributes(message, "c")
+    monkeypatch.setattr(attributes, "_DUP", True)  # OTEL_SEMCONV_STABILITY_OPT_IN=messaging/dup
+    both = attributes.consumer_attributes(message, "c")
+    assert (
+        both["messaging.operation"] == "process" and both["messaging.operation.name"] == "process"
+    )
