@@ -19,7 +19,7 @@ from ..outbox.relay import OutboxRelay, RelayConfig
 from ..reasons import describe
 from .common import CommandError, Renamed, UsageError, open_database, require_tables, say
 from .redact import shown
-from .status import add_long_running, running
+from .status import add_long_running, on_a_terminal, running
 
 NAME = "relay"
 HELP = "publish committed outbox rows to Kafka or RabbitMQ until SIGTERM (or --once)"
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     require_tables(engine, tables)
     with OutboxRelay(engine, publisher, tables=tables, config=config) as relay:
         if args.once:
-            count = relay.drain()
+            with on_a_terminal(args, lambda: f"... {relay.published:,} published so far"):
+                count = relay.drain()
             waiting = relay.backlog()
             print(f"published {count} event(s); {waiting} waiting ({shown(url)})", flush=True)
             _once_status(args, relay.broker_away, count, waiting)

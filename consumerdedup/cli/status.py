@@ -8,6 +8,7 @@ stamps them).
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,8 @@ from ..telemetry.readings import outbox_stats
 from .common import CommandError, UsageError, parse_duration, say
 
 Counters = Callable[[], dict[str, tuple[str, float]]]
+PROGRESS_EVERY = 2.0
+"""Seconds between two progress lines of long one-shot work on a terminal."""
 STATUS_EVERY = "60s"
 """Default time between two status lines of the relay."""
 
@@ -137,3 +140,17 @@ def running(
             except Exception:
                 said = f"published {published():,} since start"
             say(args, f"relay stopped: {said}")
+
+
+@contextmanager
+def on_a_terminal(args: argparse.Namespace, line: Callable[[], str]) -> Iterator[None]:
+    """A progress line every PROGRESS_EVERY seconds while the block runs, if stdout is a
+    terminal (a pipe or a log file gets the final line only)."""
+    if not sys.stdout.isatty():
+        yield
+        return
+    lines = StatusLines(args, PROGRESS_EVERY, line).start()
+    try:
+        yield
+    finally:
+        lines.stop()

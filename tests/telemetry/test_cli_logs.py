@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine
 
 from consumerdedup import install
@@ -51,3 +52,25 @@ def stats(tmp_path: Path, *flags: str) -> str:
 def test_sql_echo_has_its_own_flag(tmp_path: Path) -> None:
     assert "SELECT" not in stats(tmp_path, "--verbose")  # DEBUG, without every statement
     assert "SELECT" in stats(tmp_path, "--echo-sql")
+
+
+def test_long_one_shot_work_shows_progress_on_a_terminal_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+    import time
+
+    from consumerdedup.cli import status
+
+    monkeypatch.setattr(status, "PROGRESS_EVERY", 0.02)
+    args = argparse.Namespace(timestamps=False)
+    with status.on_a_terminal(args, lambda: "... 5 published so far"):
+        time.sleep(0.1)  # the work; not a wait for the lines
+    assert capsys.readouterr().out == ""  # a pipe: no progress lines
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    deadline = time.monotonic() + 5
+    with status.on_a_terminal(args, lambda: "... 5 published so far"):
+        while "published so far" not in (seen := capsys.readouterr().out):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert seen.splitlines()[0] == "... 5 published so far"
