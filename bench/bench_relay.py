@@ -215,17 +215,21 @@ class Config:
 
 @dataclass
 class LatencySeries:
-    """Per target, one value per round: the round's p50 and p99, and its commit p50."""
+    """Per target, one value per round: the round's p50 and p99, and its commit p50.
+    ``per_second`` 0: commits one at a time, 10-30 ms apart (an idle relay woken by each
+    NOTIFY); else a steady rate, ``per_second / 100`` events a commit every 10 ms."""
 
     target: Target
+    per_second: int = 0
     p50: Series = field(default_factory=lambda: Series("", "ms", higher_is_better=False))
     p99: Series = field(default_factory=lambda: Series("", "ms", higher_is_better=False))
     commit: Series = field(default_factory=lambda: Series("", "ms", higher_is_better=False))
 
     def __post_init__(self) -> None:
-        self.p50.name = f"{self.target.shown} p50"
-        self.p99.name = f"{self.target.shown} p99"
-        self.commit.name = f"{self.target.shown} commit p50"
+        load = f"{self.per_second}/s" if self.per_second else "idle"
+        self.p50.name = f"{self.target.shown} {load:<7} p50"
+        self.p99.name = f"{self.target.shown} {load:<7} p99"
+        self.commit.name = f"{self.target.shown} {load:<7} commit p50"
 
 
 def amqp(action: Callable[[Any], Any]) -> Any:
@@ -512,15 +516,27 @@ class Bench:
         thread.start()
         try:
             time.sleep(0.5)  # its first round, then it LISTENs
+            group = max(1, lat.per_second // 100)
+            if lat.per_second:
+                count = lat.per_second * 2  # two seconds at that rate
+            next_commit = time.perf_counter()
             with Session(self.engine) as session:
-                for i in range(WARMUP + count):
-                    key = f"k{i % self.args.keys}"
-                    event_id = self.outbox.add(session, target.destination, self.body, key=key)
+                for i in range(0, WARMUP + count, group):
+                    ids = [
+                        self.outbox.add(
+                            session, target.destination, self.body, key=f"k{n % self.args.keys}"
+                        )
+                        for n in range(i, min(i + group, WARMUP + count))
+                    ]
                     started = time.perf_counter()
                     session.commit()
                     if i >= WARMUP:
-                        committed[event_id] = (started, time.perf_counter())
-                    time.sleep(pause.uniform(0.010, 0.030))
+                        committed.update((e, (started, time.perf_counter())) for e in ids)
+                    if lat.per_second:
+                        next_commit += 0.010
+                        time.sleep(max(0.0, next_commit - time.perf_counter()))
+                    else:
+                        time.sleep(pause.uniform(0.010, 0.030))
             if not relay.wait_drained(timeout=60):
                 raise Failure(f"{target.name} latency: backlog {relay.backlog()} after 60 s")
         finally:
@@ -529,6 +545,18 @@ class Bench:
         if thread.is_alive():
             raise Failure(f"{target.name} latency: the relay thread did not stop within 30 s")
         target.expected += WARMUP + count
+        if (
+            lat.per_second
+            and (
+                took := max(t for _, t in committed.values())
+                - min(s for s, _ in committed.values())
+            )
+            > 2 * count / lat.per_second
+        ):
+            print(
+                f"    NOTE {target.name}: {count} events took {took:.1f} s to commit, not "
+                f"{count / lat.per_second:.0f} s: the committing side fell behind the rate"
+            )
         if missing := [e for e in committed if e not in pub.confirmed]:
             raise Failure(f"{target.name} latency: {len(missing)} events never confirmed")
         self.check(target, "latency", pub, WARMUP + count)
@@ -622,8 +650,9 @@ def report(configs: list[Config], latency: list[LatencySeries], args: argparse.N
     )
     print_ratios(configs, args)
     print_table(
-        f"Commit-to-publish latency, idle relay woken by NOTIFY, batch 100, "
-        f"{args.latency_events} events a round: median over rounds of each round's p50 / p99",
+        f"Commit-to-publish latency, relay in run() woken by NOTIFY, batch 100; idle: "
+        f"{args.latency_events} events a round, one a commit 10-30 ms apart; 1000/s: 2,000 "
+        "events, 10 a commit every 10 ms: median over rounds of each round's p50 / p99",
         [s for lat in latency for s in (lat.p50, lat.p99, lat.commit)],
     )
     print("(commit p50: session.commit() itself; the NOTIFY goes out inside it, so the relay")
@@ -690,7 +719,7 @@ def run(args: argparse.Namespace, conditions: Conditions) -> None:
             or (code == "plain" and batch in PLAIN_BATCH_SIZES)
             or (code == "1-by-1" and batch in ONE_BY_ONE_BATCH_SIZES and target.name != "memory")
         ]
-        latency = [LatencySeries(target) for target in targets]
+        latency = [LatencySeries(target, rate) for target in targets for rate in (0, 1000)]
         for round_no in range(1, args.rounds + 1):
             started = time.perf_counter()
             for config in configs:
