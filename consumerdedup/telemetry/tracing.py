@@ -3,8 +3,8 @@
 * ``Outbox.add`` writes the current W3C trace context (traceparent, tracestate,
   baggage) into the new event's headers, with the row, in the caller's transaction.
 * The relay's ``send <destination>`` PRODUCER span has that stored context as its
-  parent and a link to what was current in the relay; the message goes out with the
-  send span's context in its headers.
+  parent and a link to the relay's own ``send`` CLIENT span of the window (a trace of
+  the relay's); the message goes out with the send span's context in its headers.
 * The consumer's ``process <destination>`` CONSUMER span is a child of the producer's
   context for a single message; a batch's span links to every message's context, and
   each message gets its own span under it, linked to its producer. While the handler
@@ -126,7 +126,13 @@ class Tracing:
         if not self.live():
             return list(publish(messages))
         system = publisher_system(publisher)
-        relay_link = trace.get_current_span().get_span_context()
+        # The relay's own round: a CLIENT span of its trace that every send links to.
+        window = self.tracer.start_span(
+            "send", None, SpanKind.CLIENT,
+            {"messaging.system": system, "messaging.operation.name": "send",
+             "messaging.operation.type": "send", "messaging.batch.message_count": len(messages)},
+        )  # fmt: skip
+        relay_link = window.get_span_context()
         spans, outgoing = [], []
         started = time.perf_counter()
         for message in messages:
@@ -154,6 +160,7 @@ class Tracing:
                     record_error(span, outcome)
                 span.end()
                 self.instruments.sent(system, message.destination, outcome, seconds)
+            window.end()
         return outcomes
 
 

@@ -59,8 +59,11 @@ def otel() -> Iterator[Otel]:
         meter_provider.shutdown()
 
 
-def tree(spans: list[ReadableSpan]) -> str:
-    """The spans as an indented tree: name [kind] (links), children under their parent."""
+def tree(spans: list[ReadableSpan], trace_of: ReadableSpan | None = None) -> str:
+    """The spans as an indented tree: name [kind] (links), children under their parent;
+    only those of ``trace_of``'s trace if given."""
+    if trace_of is not None:
+        spans = [s for s in spans if s.context.trace_id == trace_of.context.trace_id]
     by_id = {s.context.span_id: s for s in spans}
     children: dict[int | None, list[ReadableSpan]] = {}
     for span in sorted(spans, key=lambda s: s.start_time or 0):

@@ -50,13 +50,14 @@ async def test_one_event_through_kafka_and_a_second_hop_is_one_trace(
     finally:
         await asyncio.to_thread(relay.close)
 
-    shown = tree(otel.spans())
+    (request_span,) = otel.named("POST /orders")
+    shown = tree(otel.spans(), trace_of=request_span)
     print("\n" + shown)
     assert shown.splitlines() == [
         "POST /orders [INTERNAL]",
-        f"  send {orders} [PRODUCER]",
+        f"  send {orders} [PRODUCER] links=1",
         f"    process {orders} [CONSUMER] outcome=processed",
-        f"      send {billing} [PRODUCER]",
+        f"      send {billing} [PRODUCER] links=1",
         f"        process {billing} [CONSUMER] outcome=processed",
     ]
     (process,) = otel.named(f"process {orders}")
