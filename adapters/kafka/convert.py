@@ -92,8 +92,13 @@ def _converted(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
             raw_id, has_id = value or b"", True
     if not isinstance(record.value, bytes | None):
         raise TypeError(f"the value is a {type(record.value).__name__}, not bytes")
+    # The id is known before the Message is made, so it is made once, except on the key
+    # function's path (called with the Message, without an id).
+    message_id, refusal = _header_id(raw_id if has_id else None, config)
+    if message_id is None and refusal is None and config.key is None and config.coordinates_as_id:
+        message_id = coordinates_id(record)
     message = Message(
-        id=None,
+        id=message_id,
         body=record.value if record.value is not None else b"",
         headers=headers,
         source=record.topic,
@@ -102,7 +107,8 @@ def _converted(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
         timestamp=timestamp(record.timestamp),
         raw=record,
     )
-    message, refusal = _with_id(message, record, config, raw_id if has_id else None)
+    if message_id is None and refusal is None:
+        message, refusal = _with_key(message, record, config)
     if refusal is None and record.value is None:
         refusal = "the record has a null value (a tombstone): there is nothing to process"
     return message, refusal
@@ -123,15 +129,19 @@ def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _with_id(
-    message: Message, record: Any, config: KafkaConfig, raw_id: bytes | None
-) -> tuple[Message, str | None]:
-    if raw_id is not None:
-        try:
-            # Passed on as found: an empty or too long id fails the core's validation.
-            return replace(message, id=raw_id.decode("utf-8")), None
-        except UnicodeDecodeError:
-            return message, f"the {config.id_header!r} header is not valid UTF-8: {raw_id[:64]!r}"
+def _header_id(raw_id: bytes | None, config: KafkaConfig) -> tuple[str | None, str | None]:
+    """The id header's text (passed on as found: an empty or too long id fails the core's
+    validation), or why it is refused; (None, None) when there is no id header."""
+    if raw_id is None:
+        return None, None
+    try:
+        return raw_id.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return None, f"the {config.id_header!r} header is not valid UTF-8: {raw_id[:64]!r}"
+
+
+def _with_key(message: Message, record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
+    """No id header: the key function's id, else the coordinates, else the refusal."""
     missing = f"no message id: no {config.id_header!r} header"
     if config.key is not None:
         try:

@@ -33,6 +33,8 @@ class RetrySchedule:
 
     def settled(self, records: Iterable[Any]) -> None:
         """These records were decided: their next RETRY starts the backoff anew."""
+        if not self._retries:  # the usual case: no record to forget, no key to build
+            return
         for record in records:
             self._retries.pop(coordinates(record), None)
 
