@@ -28,6 +28,8 @@ _LEVELS = {
 }
 _CHAIN_LIMIT = 8
 """Exceptions of a chain shown at most (a cause's cause ...): a log line stays a log line."""
+_FRAMES_KEPT = 18
+"""Frames shown per exception (a driver's error is often 40 deep): both ends kept."""
 _CAUSE = "The above exception was the direct cause of the following exception:"
 _CONTEXT = "During handling of the above exception, another exception occurred:"
 
@@ -81,8 +83,12 @@ def scrubbed_traceback(error: BaseException) -> str:
             current = None
     parts: list[str] = []
     for exc, joint in reversed(chain):
-        frames = traceback.extract_tb(exc.__traceback__)
-        block = "Traceback (most recent call last):\n" + "".join(frames.format())
+        frames = traceback.extract_tb(exc.__traceback__).format()
+        if len(frames) > _FRAMES_KEPT:  # the caller's end and the raiser's end
+            cut = len(frames) - _FRAMES_KEPT
+            head = _FRAMES_KEPT // 3
+            frames[head : head + cut] = [f"  ... {cut} frames between ...\n"]
+        block = "Traceback (most recent call last):\n" + "".join(frames)
         parts.append(block + describe(exc) + "\n")
         if joint:
             parts.append(f"\n{joint}\n\n")
