@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="rows per round (100; --batch: the old spelling)",
     )
+    parser.add_argument(
+        "--publish-window",
+        type=_positive,
+        default=500,
+        metavar="N",
+        help="events sent before waiting for their confirmations (500; 1: one at a time)",
+    )
     parser.add_argument("--once", action="store_true", help="publish what can go now, then exit")
     parser.add_argument("--poll", metavar="DURATION", default="1s", help="idle wait (1s)")
     parser.add_argument(
@@ -120,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             poll_interval=durations.parse(args.poll, "--poll"),
             max_attempts=args.max_attempts,
             delete_published=args.delete_published,
+            publish_window=args.publish_window,
         )
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
