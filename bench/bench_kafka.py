@@ -9,17 +9,22 @@ fresh and dropped at the end.
 Scenarios, each draining its own fresh topic (``--partitions`` partitions, filled beforehand,
 untimed) as a fresh consumer group:
 
-- the runner with an AsyncDeduplicator handler inserting one row per record: every record
-  consumed, checked against processed_events, applied and recorded in one transaction per
-  partition batch, then its offset committed; ``batch_size`` 100 and 500; and the same with a
-  blocking Deduplicator (psycopg, run in a worker thread), ``batch_size`` 500;
-- like with like: plain aiokafka and plain async psycopg doing the same work by hand:
-  ``getmany(max_records=500)``, per partition one transaction that claims the batch with
-  ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the same processed_events (another
-  consumer name) and inserts the business rows, then the offset commit;
-- the ceiling: plain aiokafka ``getmany`` with no database, with and without offset commits;
-- for scale, the async handler's ``process_batch`` on 500 in-memory Messages at a time (the
-  same bodies), no broker: what the runner costs on top of the pipeline.
+- the runner with a bulk handler (``@dedup.bulk_handler``: one ``executemany`` INSERT of the
+  batch's new records) of an AsyncDeduplicator and of a blocking Deduplicator (psycopg, run
+  in a worker thread), ``batch_size`` 500: every record consumed, claimed in
+  processed_events, applied and recorded in one transaction per partition chunk, then its
+  offset committed; the partitions of a fetch in flight together (``partitions_in_flight``
+  4, the default), and the async one also with ``partitions_in_flight=1`` (one partition
+  after another, as before 0.2);
+- the runner with a per-message handler inserting one row per record (``.handler``), async
+  and blocking, ``batch_size`` 500;
+- like with like: plain aiokafka and plain async psycopg doing the same work by hand, one
+  partition after another as a hand-written loop does: ``getmany(max_records=500)``, per
+  partition one transaction that claims the batch with ``INSERT ... ON CONFLICT DO NOTHING
+  RETURNING`` into the same processed_events (another consumer name) and inserts the
+  business rows with one ``executemany`` (the bulk handler's twin) or one ``execute`` per row
+  (the per-message handler's twin), then the offset commit;
+- the ceiling: plain aiokafka ``getmany`` with offset commits and no database.
 
 Timing starts when the group has assigned the partitions (a join takes a second or more on
 Tansu) and ends when the last batch is through: for the plain loops without a database at
@@ -170,8 +175,9 @@ class Bench:
         finally:
             await consumer.stop()
 
-    async def by_hand(self, topic: str, count: int) -> float:
-        """Plain aiokafka and plain async psycopg doing what the runner does, by hand."""
+    async def by_hand(self, topic: str, count: int, *, bulk: bool) -> float:
+        """Plain aiokafka and plain async psycopg doing what the runner does, by hand: the
+        business rows with one ``executemany`` (``bulk``) or one ``execute`` each."""
         claim = plain_sql.claim_many(self.tables.processed_events.fullname)
         insert = f"INSERT INTO {self.schema}.ledger VALUES (%s, %s)"
         database = await psycopg.AsyncConnection.connect(self.conninfo)
@@ -186,10 +192,16 @@ class Bench:
                     async with database.transaction(), database.cursor() as cur:
                         await cur.execute(claim, ("by-hand", ids, hashes))
                         claimed = {row[0] for row in await cur.fetchall()}
-                        for record_id, record in zip(ids, records, strict=True):
-                            if record_id in claimed:
-                                amount = json.loads(record.value)["amount"]
-                                await cur.execute(insert, (record_id, amount))
+                        rows = [
+                            (record_id, json.loads(record.value)["amount"])
+                            for record_id, record in zip(ids, records, strict=True)
+                            if record_id in claimed
+                        ]
+                        if bulk:
+                            await cur.executemany(insert, rows)
+                        else:
+                            for row in rows:
+                                await cur.execute(insert, row)
                     finished = time.perf_counter()
                     seen += len(records)
                     await consumer.commit({tp: records[-1].offset + 1})
@@ -198,8 +210,10 @@ class Bench:
             await consumer.stop()
             await database.close()
 
-    def handler(self, blocking: bool) -> Any:
+    def handler(self, blocking: bool, bulk: bool = False) -> Any:
         insert = text(f"INSERT INTO {self.schema}.ledger VALUES (:m, :n)")
+        if bulk:
+            return self.bulk_handler(blocking, insert)
         if blocking:
             dedup = Deduplicator(self.blocking_engine, consumer="bench", tables=self.tables)
 
@@ -216,20 +230,38 @@ class Bench:
 
         return apply
 
-    async def pipeline_alone(self, topic: str, count: int) -> float:
-        """The same handler's ``process_batch`` on in-memory Messages: no broker at all."""
-        apply = self.handler(blocking=False)
-        messages = [
-            Message(id=f"{topic}-{i}", body=self.value(f"{topic}-{i}", i), source=topic)
-            for i in range(count)
-        ]
-        start = time.perf_counter()
-        for first in range(0, count, 500):
-            await apply.process_batch(messages[first : first + 500])
-        return time.perf_counter() - start
+    def bulk_handler(self, blocking: bool, insert: Any) -> Any:
+        """One ``executemany`` of the new records' rows, as the hand-written loop sends."""
 
-    async def runner(self, topic: str, count: int, batch_size: int, blocking: bool) -> float:
-        apply = self.handler(blocking)
+        def rows(messages: list[Message]) -> list[dict[str, Any]]:
+            return [{"m": m.id, "n": json.loads(m.body)["amount"]} for m in messages]
+
+        if blocking:
+            dedup = Deduplicator(self.blocking_engine, consumer="bench", tables=self.tables)
+
+            @dedup.bulk_handler
+            def apply_blocking(messages: list[Message], session: Any) -> None:
+                session.execute(insert, rows(messages))
+
+            return apply_blocking
+        async_dedup = AsyncDeduplicator(self.engine, consumer="bench", tables=self.tables)
+
+        @async_dedup.bulk_handler
+        async def apply(messages: list[Message], session: Any) -> None:
+            await session.execute(insert, rows(messages))
+
+        return apply
+
+    async def runner(
+        self,
+        topic: str,
+        count: int,
+        batch_size: int,
+        blocking: bool,
+        bulk: bool = False,
+        in_flight: int = 4,
+    ) -> float:
+        apply = self.handler(blocking, bulk)
 
         done = 0
         finished = 0.0
@@ -241,6 +273,7 @@ class Bench:
 
         config = KafkaConfig(
             batch_size=batch_size,
+            partitions_in_flight=in_flight,
             poll_timeout=timedelta(milliseconds=100),
             idempotent_producer=self.idempotent,
             consumer_options=self.group_options,
@@ -264,20 +297,25 @@ class Bench:
         return finished - start
 
 
-RUNNER_ASYNC_500 = "runner, async PostgreSQL, batch_size=500"
-RUNNER_BLOCKING_500 = "runner, blocking PostgreSQL, batch_size=500"
-BY_HAND = "plain aiokafka + async psycopg, 500"
+BULK_ASYNC = "runner, bulk handler, async, 500"
+BULK_BLOCKING = "runner, bulk handler, blocking, 500"
+BULK_ASYNC_ONE = "runner, bulk handler, async, 500, 1 in flight"
+RUNNER_ASYNC_500 = "runner, per-message handler, async, 500"
+RUNNER_BLOCKING_500 = "runner, per-message handler, blocking, 500"
+BY_HAND_BULK = "plain aiokafka + psycopg claim + executemany"
+BY_HAND = "plain aiokafka + psycopg claim + execute each"
 
 
 async def measure(args: argparse.Namespace, bench: Bench) -> list[Series]:
     scenarios: list[tuple[str, Scenario]] = [
-        ("runner, async PostgreSQL, batch_size=100", lambda t, n: bench.runner(t, n, 100, False)),
+        (BULK_ASYNC, lambda t, n: bench.runner(t, n, 500, False, bulk=True)),
+        (BULK_BLOCKING, lambda t, n: bench.runner(t, n, 500, True, bulk=True)),
+        (BULK_ASYNC_ONE, lambda t, n: bench.runner(t, n, 500, False, bulk=True, in_flight=1)),
+        (BY_HAND_BULK, lambda t, n: bench.by_hand(t, n, bulk=True)),
         (RUNNER_ASYNC_500, lambda t, n: bench.runner(t, n, 500, False)),
         (RUNNER_BLOCKING_500, lambda t, n: bench.runner(t, n, 500, True)),
-        (BY_HAND, bench.by_hand),
-        ("plain aiokafka getmany, no database", lambda t, n: bench.plain(t, n, commit=False)),
+        (BY_HAND, lambda t, n: bench.by_hand(t, n, bulk=False)),
         ("plain aiokafka getmany + commit, no db", lambda t, n: bench.plain(t, n, commit=True)),
-        ("async .process_batch(500) alone, no Kafka", bench.pipeline_alone),
     ]
     rates = {name: Series(name) for name, _ in scenarios}
     for round_ in range(args.rounds):
@@ -287,7 +325,7 @@ async def measure(args: argparse.Namespace, bench: Bench) -> list[Series]:
             rates[name].add(args.messages / seconds)
             if args.verbose:
                 print(f"  round {round_ + 1}: {name}: {args.messages / seconds:,.0f} msg/s")
-    await bench.check_rows(args.rounds * args.messages * 5)  # all but the two plain loops
+    await bench.check_rows(args.rounds * args.messages * 7)  # all but the plain loop
     return list(rates.values())
 
 
@@ -323,12 +361,15 @@ async def main_async(args: argparse.Namespace) -> None:
         await bench.setup()
         results = await measure(args, bench)
         by_name = {s.name: s for s in results}
-        print_table("Kafka consumers", results, by_name[BY_HAND], "vs hand")
+        print_table("Kafka consumers", results, by_name[BY_HAND_BULK], "vs hand")
         print_pairs(
             "Like with like (the runner / plain aiokafka + async psycopg doing the same work)",
             [
-                ("async handler, 500 a batch", by_name[RUNNER_ASYNC_500], by_name[BY_HAND]),
-                ("blocking handler, 500 a batch", by_name[RUNNER_BLOCKING_500], by_name[BY_HAND]),
+                ("bulk, async, 500 (target >= 0.8)", by_name[BULK_ASYNC], by_name[BY_HAND_BULK]),
+                ("bulk, blocking, 500", by_name[BULK_BLOCKING], by_name[BY_HAND_BULK]),
+                ("bulk, async, 1 in flight", by_name[BULK_ASYNC_ONE], by_name[BY_HAND_BULK]),
+                ("per-message, async, 500", by_name[RUNNER_ASYNC_500], by_name[BY_HAND]),
+                ("per-message, blocking, 500", by_name[RUNNER_BLOCKING_500], by_name[BY_HAND]),
             ],
         )
         conditions.print_after()
@@ -341,7 +382,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--messages", type=int, help="records per scenario per round (10000)")
+    parser.add_argument("--messages", type=int, help="records per scenario per round (20000)")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--body-size", type=int, default=256, help="record value bytes")
     parser.add_argument("--url", help="PostgreSQL URL; overrides CONSUMERDEDUP_BENCH_PG_URL")
@@ -350,7 +391,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_round_arguments(parser)
     args = parser.parse_args(argv)
     check_rounds(parser, args)
-    args.messages = args.messages or (2000 if args.quick else 10000)
+    args.messages = args.messages or (2000 if args.quick else 20000)
     return args
 
 
