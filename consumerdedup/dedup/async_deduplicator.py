@@ -227,9 +227,8 @@ class AsyncBulkDedupHandler(AsyncDedupHandler):
 
     async def _call_bulk(self, messages: list[Message], session: AsyncSession) -> None:
         """``_call``'s guard around the one call of the bulk function."""
-        connection = (await session.connection()).sync_connection
-        assert connection is not None, "an AsyncConnection in a transaction has its connection"
-        call = HandlerCall(session.sync_session, connection)
+        # The claim has run in this transaction: its connection is there, no await needed.
+        call = HandlerCall(session.sync_session, session.sync_session.connection())
         try:
             with handler_code():
                 returned = self.bulk_fn(messages, session)
@@ -237,8 +236,9 @@ class AsyncBulkDedupHandler(AsyncDedupHandler):
             with handler_code():
                 result = await returned
             check_awaited(self.bulk_fn, result)
-            with handler_code():
-                await session.flush()  # a pending ORM write fails now, inside the bisected call
+            if pending_writes(session.sync_session):  # else a flush only costs a greenlet
+                with handler_code():
+                    await session.flush()  # a pending ORM write fails now, in the bisected call
         finally:
             call.finish()
         call.verify()
