@@ -91,6 +91,27 @@ def transaction_control(sql: str, dialect: str) -> str | None:
     return None
 
 
+def savepoint_command(sql: str, dialect: str) -> bool:
+    """Whether ``sql`` holds a SAVEPOINT, RELEASE or ROLLBACK TO statement (read as
+    ``transaction_control`` reads, every known way for an unknown dialect)."""
+    upper = sql.upper()
+    if "SAVEPOINT" not in upper and "RELEASE" not in upper and "ROLLBACK" not in upper:
+        return False  # the common case
+    readings = _READINGS.get(dialect) or tuple(r for rs in _READINGS.values() for r in rs)
+    return any(
+        _is_savepoint(words) for reading in readings for words in _statement_heads(sql, reading)
+    )
+
+
+def _is_savepoint(words: list[str]) -> bool:
+    if words[:1] in (["SAVEPOINT"], ["RELEASE"]):
+        return True
+    rest = words[1:]
+    if rest[:1] in (["WORK"], ["TRANSACTION"]):
+        rest = rest[1:]
+    return words[:1] == ["ROLLBACK"] and rest[:1] == ["TO"]
+
+
 def _control(words: list[str]) -> str | None:
     if not words:
         return None

@@ -12,18 +12,35 @@ would have. Rows are written in the order they were added.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Integer, Table, TextualSelect, bindparam, event, insert, text
+from sqlalchemy import Connection, Integer, Table, TextualSelect, bindparam, event, insert, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.sql.elements import (
+    ReleaseSavepointClause,
+    RollbackToSavepointClause,
+    SavepointClause,
+)
 
 from ..db import before_commit, locks
+from ..db.control_sql import savepoint_command
 from ..db.names import table_sql
+from ..errors import ConfigurationError
 
 _WATCHED = "consumerdedup.outbox_savepoints"
 """session.info: the savepoint rollback listener is on this session."""
+_SQL_WATCHED = "consumerdedup.outbox_savepoint_sql"
+"""connection.info: the session whose held rows this connection's savepoint SQL concerns."""
+_TRACK = ("~savepoints",)
+"""In a transaction's queue: the savepoints (SQLAlchemy's own) its statements opened."""
+_RAW_SAVEPOINT = (
+    "a keyed Outbox.add is held back until just before the pipeline's COMMIT, so a savepoint "
+    "sent as SQL cannot undo it: use session.begin_nested() (or Connection.begin_nested()) "
+    "in a handler that adds keyed outbox events"
+)
 
 
 def lock_keys(table: Table) -> TextualSelect:
@@ -47,6 +64,8 @@ class HeldRow:
     row: dict[str, Any]
     savepoint: SessionTransaction | None
     """The innermost savepoint open when it was added (None: none)."""
+    under: tuple[str, ...] = ()
+    """The SQL savepoints (``SavepointTrack``) open when it was added."""
 
     def undone_by(self, rolled_back: SessionTransaction) -> bool:
         transaction = self.savepoint
@@ -82,12 +101,86 @@ class HeldBackEvents:
 def hold_back(held: dict[Any, Any], session: Session, table: Table, row: dict[str, Any]) -> None:
     """Queue ``row`` for ``table`` in a transaction's open queue (``before_commit.queue``);
     ``session`` is the (blocking) session the handler adds it through."""
+    track = _track(held, session)
     events = held.setdefault(("outbox", table_sql(table)), HeldBackEvents(table))
     savepoint = session.get_nested_transaction()
     if savepoint is not None and not session.info.get(_WATCHED):
         session.info[_WATCHED] = True
         event.listen(session, "after_soft_rollback", _savepoint_rolled_back)
-    events.held.append(HeldRow(row, savepoint))
+    events.held.append(HeldRow(row, savepoint, tuple(track.open)))
+
+
+class SavepointTrack:
+    """The savepoints a transaction's connection opened, seen as the statements they are.
+
+    ``after_soft_rollback`` sees only the session's own ``begin_nested()``; a
+    ``Connection.begin_nested()`` or a savepoint sent as SQL would leave its held rows to
+    be written at COMMIT though their savepoint was rolled back. Every SAVEPOINT,
+    RELEASE and ROLLBACK TO SQLAlchemy sends is seen here with its name; one sent as SQL
+    cannot be followed by name, and is refused (fails closed) once keyed rows are held.
+    """
+
+    def __init__(self) -> None:
+        self.open: list[str] = []
+        self.raw = False
+
+    def flush(self, session: Session) -> None:
+        """Nothing to write (a queue entry, so it lives exactly as long as the queue)."""
+
+    async def flush_async(self, session: AsyncSession) -> None:
+        """Nothing to write."""
+
+    def rolled_back(self, name: str, queue: dict[Any, Any]) -> None:
+        # A name we never saw was opened before the first held row: all of them are inside it.
+        known = name in self.open
+        if known:
+            del self.open[self.open.index(name) :]
+        for events in queue.values():
+            if isinstance(events, HeldBackEvents):
+                events.held = [h for h in events.held if known and name not in h.under]
+
+
+def _track(held: dict[Any, Any], session: Session) -> SavepointTrack:
+    track = held.get(_TRACK)
+    if not isinstance(track, SavepointTrack):
+        track = held[_TRACK] = SavepointTrack()
+    if track.raw:
+        raise ConfigurationError(_RAW_SAVEPOINT)
+    connection = session.connection()
+    if _SQL_WATCHED not in connection.info:
+        event.listen(connection, "after_cursor_execute", _statement_ran)
+    connection.info[_SQL_WATCHED] = weakref.ref(session)
+    return track
+
+
+def _statement_ran(
+    connection: Connection,
+    _cursor: Any,
+    statement: str,
+    _parameters: Any,
+    context: Any,
+    _executemany: bool,
+) -> None:
+    owner = connection.info.get(_SQL_WATCHED)
+    session = owner() if owner is not None else None
+    queue = before_commit.queue(session) if session is not None else None
+    track = queue.get(_TRACK) if queue is not None else None
+    if not isinstance(track, SavepointTrack) or queue is None:
+        return
+    compiled = getattr(context, "compiled", None)
+    clause = getattr(compiled, "statement", None)
+    if isinstance(clause, SavepointClause):
+        track.open.append(str(clause.ident))
+    elif isinstance(clause, RollbackToSavepointClause):
+        track.rolled_back(str(clause.ident), queue)
+    elif isinstance(clause, ReleaseSavepointClause):
+        name = str(clause.ident)
+        if name in track.open:
+            del track.open[track.open.index(name) :]
+    elif savepoint_command(statement, connection.dialect.name):
+        track.raw = True
+        if any(isinstance(e, HeldBackEvents) and e.held for e in queue.values()):
+            raise ConfigurationError(_RAW_SAVEPOINT)
 
 
 def _savepoint_rolled_back(session: Session, rolled_back: SessionTransaction) -> None:

@@ -1,0 +1,107 @@
+"""Round 5: held-back outbox events (issue 23's hold-back to COMMIT) against savepoints.
+
+A keyed ``Outbox.add`` inside a dedup handler on PostgreSQL is queued, not written,
+until just before COMMIT. A savepoint the handler rolls back must still take the
+event with it, whichever way the savepoint was made: the session's
+``begin_nested()``, the connection's ``begin_nested()``, or SQL (which cannot be
+followed by name, so it is refused, never guessed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outbox, Outcome
+from tests.conftest import Database, database
+
+
+@pytest.fixture
+def pg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, "postgresql", tmp_path)
+
+
+def _bodies(db: Database) -> list[bytes]:
+    with db.engine.connect() as conn:
+        rows = conn.execute(db.tables.outbox.select().order_by(db.tables.outbox.c.id))
+        return [bytes(r.body) for r in rows]
+
+
+def _sync(db: Database, way: str) -> Any:
+    outbox = Outbox(db.tables)
+
+    def handler(message: Message, session: Any) -> None:
+        outbox.add(session, "orders", b"kept", key="k")
+        if way == "connection":
+            savepoint = session.connection().begin_nested()
+            outbox.add(session, "orders", b"undone", key="k")
+            savepoint.rollback()
+        elif way == "nested-in-released":
+            outer = session.connection().begin_nested()
+            inner = session.connection().begin_nested()
+            outbox.add(session, "orders", b"undone", key="k")
+            inner.commit()
+            outer.rollback()
+        else:  # SQL
+            session.execute(text("SAVEPOINT a"))
+            outbox.add(session, "orders", b"undone", key="k")
+            session.execute(text("ROLLBACK TO SAVEPOINT a"))
+
+    dedup = Deduplicator(db.engine, "round5", tables=db.tables)
+    return dedup.handler(handler)(Message(id="m1", body=b"{}"))
+
+
+def _async(db: Database, way: str) -> Any:
+    outbox = Outbox(db.tables)
+    engine = db.async_engine()
+
+    async def handler(message: Message, session: Any) -> None:
+        await outbox.add(session, "orders", b"kept", key="k")
+        if way == "connection":
+            savepoint = await (await session.connection()).begin_nested()
+            await outbox.add(session, "orders", b"undone", key="k")
+            await savepoint.rollback()
+        elif way == "nested-in-released":
+            connection = await session.connection()
+            outer = await connection.begin_nested()
+            inner = await connection.begin_nested()
+            await outbox.add(session, "orders", b"undone", key="k")
+            await inner.commit()
+            await outer.rollback()
+        else:
+            await session.execute(text("SAVEPOINT a"))
+            await outbox.add(session, "orders", b"undone", key="k")
+            await session.execute(text("ROLLBACK TO SAVEPOINT a"))
+
+    dedup = AsyncDeduplicator(engine, "round5", tables=db.tables)
+
+    async def go() -> Any:
+        try:
+            return await dedup.handler(handler)(Message(id="m1", body=b"{}"))
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("way", ["connection", "nested-in-released"])
+def test_an_event_in_a_rolled_back_connection_savepoint_is_not_written(
+    pg: Database, kind: str, way: str
+) -> None:
+    outcome = (_sync if kind == "sync" else _async)(pg, way)
+    assert outcome is Outcome.PROCESSED
+    assert _bodies(pg) == [b"kept"]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_savepoint_sent_as_sql_with_a_held_event_fails_closed(pg: Database, kind: str) -> None:
+    outcome = (_sync if kind == "sync" else _async)(pg, "sql")
+    assert outcome is Outcome.FAILED  # refused, not written past its savepoint
+    assert _bodies(pg) == []
+    reason = pg.scalar(f"SELECT error FROM {pg.name('processed_events')}")
+    assert "begin_nested" in str(reason)
