@@ -97,7 +97,12 @@ class Sender:
         except ConfigurationError:
             raise
         except Exception as exc:
-            return [exc] * len(messages)
+            if broker_away(exc):
+                return [exc] * len(messages)
+            # One message's error (a header it cannot encode) raised for the whole window:
+            # charged to all, it would park every key of the window. One publish at a time
+            # charges it to its message alone (those sent already go again: at least once).
+            return self._one_at_a_time(messages)
         if len(outcomes) != len(messages):
             raise ConfigurationError(
                 f"{type(publisher).__name__}.publish_window returned {len(outcomes)} outcomes "

@@ -1,0 +1,52 @@
+"""Round 5: the pipelined relay (a window sent, then its confirms awaited together) against
+events the publisher cannot even encode, on the real RabbitMQ and PostgreSQL.
+
+``Outbox.add`` stores what PostgreSQL's json column takes: a header value with a lone
+surrogate, and a key of 255 characters that is more than AMQP's 255 bytes of routing key.
+Such an event must fail alone (its key held back, an attempt charged to it only); the
+window's other keys go in the same round."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+
+from consumerdedup import OutboxRelay, RelayConfig
+from consumerdedup.adapters.rabbitmq import RabbitPublisher
+from tests.rabbitmq.test_relay_window import first_copies, published
+from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
+
+NOW = RelayConfig(batch_size=100, initial_backoff=timedelta(0), max_backoff=timedelta(0))
+
+
+def _charged(db: Any) -> dict[str, int]:
+    ob = db.tables.outbox
+    with db.engine.connect() as conn:
+        rows = conn.execute(select(ob.c.body, ob.c.attempts).where(ob.c.attempts > 0))
+        return {row.body.decode(): row.attempts for row in rows}
+
+
+def test_an_event_the_publisher_cannot_encode_fails_alone_in_its_window(
+    pg: Any, rabbit: Broker
+) -> None:
+    from sqlalchemy.orm import Session
+
+    from consumerdedup import Outbox
+
+    main = rabbit.queue("main", dead_letter=False)
+    long_key = "\u00e9" * 200  # 200 characters, 400 bytes: past AMQP's shortstr
+    outbox = Outbox(pg.tables)
+    with Session(pg.engine) as session, session.begin():
+        for seq in range(1, 4):
+            outbox.add(session, main, f"a{seq}".encode(), key="a")
+            headers = {"h": "x\udc00"} if seq == 2 else None  # b2: no UTF-8 for it
+            outbox.add(session, main, f"b{seq}".encode(), key="b", headers=headers)
+            destination = "amq.direct/" if seq == 1 else main  # c1: routing key too long
+            outbox.add(session, destination, f"c{seq}".encode(), key=long_key)
+    with OutboxRelay(pg.engine, RabbitPublisher(rabbit.url), tables=pg.tables, config=NOW) as relay:
+        relay.run_once()
+        assert published(pg) == {"a1", "a2", "a3", "b1"}
+        assert _charged(pg) == {"b2": 1, "c1": 1}
+    assert first_copies(rabbit, main) == ["a1", "b1", "a2", "a3"]
