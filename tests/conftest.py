@@ -1,17 +1,33 @@
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumerdedup import Tables, install
 from tests.support import services
+
+# CI (CI=true, as .ci/run sets): the same examples on every run, so a failure found there
+# is found again; no per-example deadline on a loaded 2-core machine (a slow example is
+# not a wrong one); no example database written. Modules that set max_examples keep theirs.
+settings.register_profile(
+    "consumerdedup-ci",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    settings.load_profile("consumerdedup-ci")
 
 
 @dataclass
