@@ -8,14 +8,18 @@ window's other keys go in the same round."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from consumerdedup import OutboxRelay, RelayConfig
+from consumerdedup import Outbox, OutboxRelay, RelayConfig
+from consumerdedup.adapters.kafka import KafkaPublisher
 from consumerdedup.adapters.rabbitmq import RabbitPublisher
 from tests.rabbitmq.test_relay_window import first_copies, published
+from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
 NOW = RelayConfig(batch_size=100, initial_backoff=timedelta(0), max_backoff=timedelta(0))
@@ -50,3 +54,26 @@ def test_an_event_the_publisher_cannot_encode_fails_alone_in_its_window(
         assert published(pg) == {"a1", "a2", "a3", "b1"}
         assert _charged(pg) == {"b2": 1, "c1": 1}
     assert first_copies(rabbit, main) == ["a1", "b1", "a2", "a3"]
+
+
+async def test_kafka_an_event_the_publisher_cannot_encode_fails_alone_in_its_window(
+    kafka: KafkaService, topics: Topics, pg: Any
+) -> None:
+    """The same on Kafka (KafkaPublisher, an AsyncPublisher driven from the relay's loop)."""
+    topic = await topics.create("encode", partitions=1)
+    outbox = Outbox(pg.tables)
+    with Session(pg.engine) as session, session.begin():
+        for seq in range(1, 4):
+            for key in "ab":
+                headers = {"h": "x\udc00"} if f"{key}{seq}" == "b2" else None
+                outbox.add(session, topic, f"{key}{seq}".encode(), key=key, headers=headers)
+    publisher = KafkaPublisher(kafka.bootstrap, enable_idempotence=kafka.idempotence)
+
+    def one_round() -> tuple[set[str], dict[str, int]]:
+        with OutboxRelay(pg.engine, publisher, tables=pg.tables, config=NOW) as relay:
+            relay.run_once()
+            return published(pg), _charged(pg)
+
+    marked, charged = await asyncio.to_thread(one_round)
+    assert marked == {"a1", "a2", "a3", "b1"}
+    assert charged == {"b2": 1}
