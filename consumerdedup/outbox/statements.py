@@ -15,6 +15,7 @@ from sqlalchemy import (
     any_,
     bindparam,
     case,
+    cast,
     delete,
     exists,
     func,
@@ -104,14 +105,18 @@ class RelayStatements:
                 .cte("locked")
                 .prefix_with("MATERIALIZED")
             )
-            mine = select(scan_cte.c.id).where(
-                or_(scan_cte.c.key.is_(None), scan_cte.c.key.in_(select(locked.c.key)))
+            # As one array (an InitPlan), so the rows are fetched by primary key, not by a
+            # hash join over the whole table (the planner cannot estimate the CTEs).
+            mine = (
+                select(func.array_agg(scan_cte.c.id))
+                .where(or_(scan_cte.c.key.is_(None), scan_cte.c.key.in_(select(locked.c.key))))
+                .scalar_subquery()
             )
             scanned = select(func.count()).select_from(scan_cte).scalar_subquery()
             self._claim_locked = (
                 select(*columns, scanned.label("scanned"))
                 .where(
-                    ob.c.id.in_(mine),
+                    ob.c.id == any_(cast(mine, ARRAY(BigInteger))),
                     *live,
                     ob.c.parked_at.is_(None),
                     or_(ob.c.attempts == 0, ob.c.available_at <= bindparam("now")),
