@@ -123,8 +123,9 @@ class Outbox:
             raise ConfigurationError(f"key must be None or a str of at most {ID_LENGTH} characters")
         if not isinstance(body, bytes | bytearray):
             raise ConfigurationError(f"body must be bytes, got {type(body).__name__}")
-        event_id = new_event_id()
         merged = _checked_headers(headers)
+        _encodable(destination, key, *merged, *merged.values())
+        event_id = new_event_id()
         if hooks.outbox_headers is not None:  # telemetry: the current W3C trace context
             hooks.outbox_headers(merged)
         merged[ID_HEADER] = event_id
@@ -160,6 +161,25 @@ def _checked_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
                 f"{type(name).__name__} -> {type(value).__name__}: convert it yourself"
             )
     return dict(headers)
+
+
+def _encodable(*texts: str | None) -> None:
+    """Refuse a lone surrogate at ``add``: no database or broker can carry it, and found
+    later (at COMMIT, or by the relay) it fails the transaction or parks the event."""
+    for value in texts:
+        if value is None:
+            continue
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ConfigurationError(
+                f"{_shown(value)} is not valid Unicode (a lone surrogate): an outbox "
+                "destination, key or header must encode to UTF-8"
+            ) from None
+
+
+def _shown(value: str) -> str:
+    return ascii(value[:40])
 
 
 def _key_lock(table: Table) -> Any:
