@@ -147,7 +147,8 @@ def _track(held: dict[Any, Any], session: Session) -> SavepointTrack:
     if track.raw:
         raise ConfigurationError(_RAW_SAVEPOINT)
     connection = session.connection()
-    if _SQL_WATCHED not in connection.info:
+    # On the Connection object (one per checkout), not its info (the pooled connection's).
+    if not event.contains(connection, "after_cursor_execute", _statement_ran):
         event.listen(connection, "after_cursor_execute", _statement_ran)
     connection.info[_SQL_WATCHED] = weakref.ref(session)
     return track
