@@ -205,14 +205,13 @@ def _twin_meets_the_lock(store: Any, db: Database, first: Any) -> None:
 
 
 def test_postgresql_pipelined_claim_fails_closed_and_returns_its_connection_as_it_found_it(
-    db: Database,
+    pg: Database,
 ) -> None:
     """PostgreSQL's transactional path (sql_pipeline.py) runs the request's connection in
     autocommit with our own BEGIN: a transaction ended behind the Session's back must not
     let a statement commit alone, nor the stored response's COMMIT commit anything, and the
     pool must get the connection back out of autocommit."""
-    if db.dialect != "postgresql":
-        pytest.skip("the pipelined path is PostgreSQL's (psycopg pipeline mode)")
+    db = pg  # the pipelined path is PostgreSQL's (psycopg pipeline mode)
     from sqlalchemy import create_engine, func, select
 
     from consumerdedup.http.sql_store import ClaimLost
