@@ -256,6 +256,13 @@ def begin_checked(session: Session, what: str) -> None:
             "commit must be a plain COMMIT (a prepared transaction left by a crash would hold "
             "its claims' locks until resolved by hand); use a session factory without twophase"
         )
+    if session.in_transaction():  # a scoped_session another pipeline (or the caller) is in
+        raise ConfigurationError(
+            f"{what}: the session factory gave a session already in a transaction (a "
+            "scoped_session shared with another deduplicator whose handler calls this one, or "
+            "with code of yours); our COMMIT would commit that transaction's work halfway; "
+            "give each deduplicator its own sessionmaker, or sessions not in a transaction"
+        )
     bind = session.get_bind()
     if isinstance(bind, Connection) and bind.in_transaction() and not session.in_transaction():
         raise ConfigurationError(
