@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_relay.py
 	$(BIN)/python bench/bench_pruner.py
 	$(BIN)/python bench/bench_http.py
+	$(BIN)/python bench/bench_telemetry.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

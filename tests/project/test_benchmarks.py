@@ -24,6 +24,7 @@ EXPECTED = {
     "bench_relay.py": "Relay / plain",
     "bench_pruner.py": "Pruner / plain psycopg",
     "bench_http.py": "Through the middleware / without it",
+    "bench_telemetry.py": "Telemetry / none",
 }
 
 
