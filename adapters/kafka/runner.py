@@ -129,6 +129,9 @@ class KafkaConsumerRunner(ConsumerRunner):
         poll = self.config.poll_timeout.total_seconds()
         while not self.stopping:
             schedule.resume_due(consumer)
+            # Taken before the fetch: a revocation during one of its getmany calls makes what
+            # the calls before it returned stale.
+            epoch = self._in_flight.epoch
             try:
                 fetched = await self._fetch(consumer, schedule.wait_ms(poll))
             except undecodable.UNDECODABLE:
@@ -141,7 +144,7 @@ class KafkaConsumerRunner(ConsumerRunner):
                 if until_idle and not schedule.paused and await acks.drained(consumer, self.topics):
                     return
                 continue
-            await self._handle_fetch(consumer, dead_letters, fetched)
+            await self._handle_fetch(consumer, dead_letters, fetched, epoch)
 
     async def _fetch(self, consumer: Any, wait_ms: int) -> dict[Any, list[Any]]:
         """Up to batch_size records of each partition that has some: the first getmany waits
@@ -156,9 +159,13 @@ class KafkaConsumerRunner(ConsumerRunner):
         return fetched
 
     async def _handle_fetch(
-        self, consumer: Any, dead_letters: DeadLetters, fetched: dict[Any, list[Any]]
+        self,
+        consumer: Any,
+        dead_letters: DeadLetters,
+        fetched: dict[Any, list[Any]],
+        epoch: int,
     ) -> None:
-        epoch, size = self._in_flight.epoch, self.config.batch_size
+        size = self.config.batch_size
         slots = asyncio.Semaphore(self._width)  # FIFO: the partitions take turns
 
         async def partition(tp: Any, records: list[Any]) -> None:
