@@ -637,7 +637,10 @@ def print_ratios(configs: list[Config], args: argparse.Namespace) -> None:
     same_rounds([c.series for c in configs])
     rounds = len(relays[0].series.values) if relays else 0
     note = "ratio of medians of" if rounds >= MIN_ROUNDS else "SMOKE RUN, not a measurement:"
-    print(f"Relay / baselines, same run ({note} {rounds} round{'s' if rounds != 1 else ''})")
+    print(
+        f"Relay / plain and relay / 1-by-1, same run ({note} {rounds} "
+        f"round{'s' if rounds != 1 else ''})"
+    )
     print(
         f"  same outbox table and fill ({args.body_size}-byte bodies, {args.keys} keys), "
         "same warm-up, same clock points; > 1: the relay is faster. 1-by-1: the relay as "

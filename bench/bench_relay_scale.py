@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> None:
         list(series.values()),
     )
     base = series[1].median
+    print("Relays / one relay, same run")
     for n in RELAYS:
         print(f"  {n} relays: {series[n].median / base:.2f}x one relay")
     print()
@@ -195,7 +196,10 @@ def main() -> None:
     check_rounds(parser, args)
     args.events = 4000 if args.quick else 20000
     conditions = Conditions()
-    conditions.add("CPU", f"{os.cpu_count()} cores; relays are processes")
+    engine = create_engine(PG_URL)
+    conditions.postgres(engine)
+    engine.dispose()
+    conditions.add("relays", "processes, each its own engine and publisher")
     conditions.print()
     run(args)
     conditions.print_after()
