@@ -16,7 +16,15 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outbox, Outcome
+from consumerdedup import (
+    AsyncDeduplicator,
+    Deduplicator,
+    Message,
+    Outbox,
+    Outcome,
+    Tables,
+    install,
+)
 from tests.conftest import Database, database
 
 
@@ -115,3 +123,38 @@ def test_a_savepoint_sent_as_sql_with_a_held_event_fails_closed(pg: Database, ki
     assert _bodies(pg) == []
     reason = pg.scalar(f"SELECT error FROM {pg.name('processed_events')}")
     assert "begin_nested" in str(reason)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="held-back rows are inserted at COMMIT under the search_path then in force: a "
+    "batch whose handlers SET LOCAL search_path per tenant writes every tenant's keyed "
+    "event to the last tenant's unqualified outbox (was: each to its own at add)",
+)
+def test_a_held_event_goes_to_the_outbox_its_search_path_named_at_add(pg: Database) -> None:
+    tenants = [f"{pg.schema}_a", f"{pg.schema}_b"]
+    for tenant in tenants:
+        install(pg.engine, Tables.define(f"{tenant}.processed_events", f"{tenant}.outbox"))
+    try:
+        outbox = Outbox(Tables.define(f"{pg.schema}.processed_events", "outbox"))
+
+        def handler(message: Message, session: Any) -> None:
+            tenant = tenants[int(message.id[1:])]
+            session.execute(text(f"SET LOCAL search_path TO {tenant}"))
+            outbox.add(session, "orders", message.id.encode(), key="k")
+
+        dedup = Deduplicator(pg.engine, "round5", tables=pg.tables)
+        messages = [Message(id=f"m{i}", body=b"{}") for i in range(2)]
+        assert {r.outcome for r in dedup.handler(handler).process_batch(messages)} == {
+            Outcome.PROCESSED
+        }
+        with pg.engine.connect() as conn:
+            found = [
+                conn.execute(text(f"SELECT body FROM {tenant}.outbox")).scalars().all()
+                for tenant in tenants
+            ]
+        assert [[bytes(b) for b in bodies] for bodies in found] == [[b"m0"], [b"m1"]]
+    finally:
+        with pg.engine.begin() as conn:
+            for tenant in tenants:
+                conn.execute(text(f"DROP SCHEMA IF EXISTS {tenant} CASCADE"))
