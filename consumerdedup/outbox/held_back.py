@@ -28,7 +28,7 @@ from sqlalchemy.sql.elements import (
 from ..db import before_commit, locks
 from ..db.control_sql import savepoint_command
 from ..db.names import table_sql
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, RetryLater
 
 _WATCHED = "consumerdedup.outbox_savepoints"
 """session.info: the savepoint rollback listener is on this session."""
@@ -36,6 +36,11 @@ _SQL_WATCHED = "consumerdedup.outbox_savepoint_sql"
 """connection.info: the session whose held rows this connection's savepoint SQL concerns."""
 _TRACK = ("~savepoints",)
 """In a transaction's queue: the savepoints (SQLAlchemy's own) its statements opened."""
+_SEARCH_PATH = (
+    "the handler changed search_path while keyed outbox events of an unqualified outbox "
+    "table were held back to COMMIT (they would go to the table the new path names); "
+    "tried again in a transaction of its own; qualify the outbox table to avoid the retry"
+)
 _RAW_SAVEPOINT = (
     "a keyed Outbox.add is held back until just before the pipeline's COMMIT, so a savepoint "
     "sent as SQL cannot undo it: use session.begin_nested() (or Connection.begin_nested()) "
@@ -80,6 +85,7 @@ class HeldBackEvents:
     """One outbox table's held-back rows, in the order they were added."""
 
     def __init__(self, table: Table) -> None:
+        self.table = table
         self.lock = lock_keys(table)
         self.insert = insert(table)
         self.held: list[HeldRow] = []
@@ -182,6 +188,13 @@ def _statement_ran(
         track.raw = True
         if any(isinstance(e, HeldBackEvents) and e.held for e in queue.values()):
             raise ConfigurationError(_RAW_SAVEPOINT)
+    elif "SEARCH_PATH" in statement.upper() and any(
+        isinstance(e, HeldBackEvents) and e.held and e.table.schema is None for e in queue.values()
+    ):
+        # The held rows' unqualified table would resolve under the new search_path at
+        # COMMIT (another tenant's outbox): this message goes again in a transaction of
+        # its own, after the batch-mates that held them have committed.
+        raise RetryLater(_SEARCH_PATH)
 
 
 def _savepoint_rolled_back(session: Session, rolled_back: SessionTransaction) -> None:
