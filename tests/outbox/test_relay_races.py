@@ -143,3 +143,28 @@ def test_a_key_one_relay_is_publishing_is_left_alone_by_the_other(
     assert relay_b.run_once() == 1  # k:1, now that A's round committed
     assert [m.body for m in broker.messages("orders")] == [b"j:0", b"k:0", b"k:1"]
     assert all(row.published_at is not None for row in rows(pg).values())
+
+
+def test_a_relay_claims_at_read_committed_whatever_the_engine_was_made_with(pg: Database) -> None:
+    """The claim asks the keys' hold-backs again after taking its locks, in a statement of
+    its own: only a snapshot per statement sees what another relay committed meanwhile. On
+    a REPEATABLE READ engine that second look would see the first one's snapshot."""
+    engine = create_engine(pg.url, isolation_level="REPEATABLE READ")
+    seen: list[str] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "pg_try_advisory_xact_lock" in statement and not seen:
+            level = cursor.connection.execute("SHOW transaction_isolation").fetchone()[0]
+            seen.append(level)
+
+    try:
+        add(pg, [("k1", "k")])
+        broker = MemoryBroker()
+        assert OutboxRelay(engine, broker, tables=pg.tables).run_once() == 1
+        assert seen == ["read committed"]
+        assert [m.body for m in broker.messages("orders")] == [b"k1"]
+        with engine.connect() as conn:  # the engine's own level is untouched for the user
+            assert conn.exec_driver_sql("SHOW transaction_isolation").scalar() == "repeatable read"
+    finally:
+        engine.dispose()
