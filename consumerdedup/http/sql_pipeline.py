@@ -24,8 +24,9 @@ Connection, a libpq without pipeline mode) takes the plain path in sql_session.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
@@ -35,6 +36,8 @@ from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import TextualSelect
 from sqlalchemy.util import await_only
 
+from ..errors import ConfigurationError
+
 try:
     import psycopg
     from psycopg.rows import namedtuple_row
@@ -43,6 +46,9 @@ except ImportError:  # pragma: no cover - PostgreSQL is an extra
 
 CONNECTION = "consumerdedup.http.pipelined"
 """Session.info: the connection a pipelined claim began its transaction on."""
+BEGIN = "consumerdedup.http.begin"
+"""Session.info: the BEGIN statement of a pipelined claim (the engine's isolation level)."""
+_LEVELS = frozenset({"READ COMMITTED", "READ UNCOMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
 LOST = "consumerdedup: claim lost"
 """In the error the guarded UPDATE raises when the transaction no longer holds the claim."""
 
@@ -55,11 +61,40 @@ def take(session: Session) -> Connection | None:
     bind = session.get_bind()
     if not isinstance(bind, Engine) or bind.dialect.driver != "psycopg":
         return None
+    # In autocommit psycopg forgets the level the engine asked for (create_engine's or
+    # execution_options' isolation_level): our BEGIN must name it, or a SERIALIZABLE
+    # endpoint would silently run at the server's default.
+    asked = bind.get_execution_options().get("isolation_level")
+    if asked is not None and _level(asked) not in _LEVELS:
+        return None  # AUTOCOMMIT (refused next) or a level we cannot name: the plain path
     conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
-    if not isinstance(conn.connection.driver_connection, psycopg.BaseConnection):
+    raw = conn.connection.driver_connection
+    if not isinstance(raw, psycopg.BaseConnection):
         return None  # a creator= wrapper: dialects.require_driver refuses it next
+    # create_engine's level: the dialect reads it at the first connect, which is done now.
+    level = _level(asked or getattr(bind.dialect, "default_isolation_level", None))
+    if level not in _LEVELS:
+        raise ConfigurationError(
+            f"the idempotency-key store: cannot tell the isolation level ({level!r}) the "
+            "engine's transactions run at; give the engine an isolation_level"
+        )
+    words = ["BEGIN ISOLATION LEVEL", level]
+    if raw.read_only is not None:  # postgresql_readonly: psycopg keeps it in autocommit
+        words.append("READ ONLY" if raw.read_only else "READ WRITE")
+    if raw.deferrable is not None:
+        words.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
     session.info[CONNECTION] = conn
+    session.info[BEGIN] = " ".join(words)
     return conn
+
+
+def _level(name: object) -> str:
+    return str(name or "").upper().replace("_", " ")
+
+
+def begin_statement(session: Session) -> str:
+    """The BEGIN that opens the pipelined transaction as psycopg would have (take())."""
+    return str(session.info[BEGIN])
 
 
 def held(session: Session) -> Connection | None:
@@ -93,24 +128,46 @@ def _bound(
 
 
 def begin_with(
-    conn: Connection, statement: TextClause | TextualSelect, params: Mapping[str, Any]
+    conn: Connection,
+    begin: str,
+    statement: TextClause | TextualSelect,
+    params: Mapping[str, Any],
 ) -> list[Any]:
-    """BEGIN and ``statement`` in one round trip; ``statement``'s rows (named tuples)."""
+    """``begin`` and ``statement`` in one round trip; ``statement``'s rows (named tuples)."""
     sql, values = _bound(conn, statement, params)
     raw = conn.connection.driver_connection
-    if isinstance(raw, psycopg.AsyncConnection):
-        return await_only(_begin_async(raw, sql, values))
-    assert isinstance(raw, psycopg.Connection)
-    with raw.pipeline():
-        raw.execute("BEGIN")
-        cursor = raw.cursor(row_factory=namedtuple_row)
-        cursor.execute(sql, values)
-    return cursor.fetchall()
+    with _invalidated_when_lost(conn):
+        if isinstance(raw, psycopg.AsyncConnection):
+            return await_only(_begin_async(raw, begin, sql, values))
+        assert isinstance(raw, psycopg.Connection)
+        with raw.pipeline():
+            raw.execute(begin.encode())
+            cursor = raw.cursor(row_factory=namedtuple_row)
+            cursor.execute(sql, values)
+        return cursor.fetchall()
 
 
-async def _begin_async(raw: Any, sql: str, values: Any) -> list[Any]:
+@contextlib.contextmanager
+def _invalidated_when_lost(conn: Connection) -> Iterator[None]:
+    """A driver error from our pipelines reaches the caller raw, past SQLAlchemy's own
+    handling, which invalidates a connection it finds lost: without this, the Session's
+    close then fails on the dead connection and never gives it back to the pool (one
+    killed backend or a PostgreSQL restart leaked a pooled connection per request, until
+    every request waited on an empty pool). So a connection whose error the server did not
+    report (no SQLSTATE: the connection was lost), or that psycopg calls broken or closed,
+    is invalidated: the pool discards it and opens a new one."""
+    try:
+        yield
+    except psycopg.Error as error:
+        raw = conn.connection.driver_connection
+        if error.sqlstate is None or raw is None or raw.closed or raw.broken:
+            conn.invalidate(error)
+        raise
+
+
+async def _begin_async(raw: Any, begin: str, sql: str, values: Any) -> list[Any]:
     async with raw.pipeline():
-        await raw.execute("BEGIN")
+        await raw.execute(begin.encode())
         cursor = raw.cursor(row_factory=namedtuple_row)
         await cursor.execute(sql, values)
     return await cursor.fetchall()  # type: ignore[no-any-return]
@@ -131,13 +188,8 @@ def commit_with(
         armed = False
         raw = conn.connection.driver_connection
         try:
-            if isinstance(raw, psycopg.AsyncConnection):
-                await_only(_commit_async(raw, sql, values))
-            else:
-                assert isinstance(raw, psycopg.Connection)
-                with raw.pipeline():
-                    raw.execute(sql, values)
-                    raw.execute("COMMIT")
+            with _invalidated_when_lost(conn):
+                _commit_in_pipeline(raw, sql, values)
         except psycopg.Error as error:
             if LOST in str(error):
                 raise lost(
@@ -148,6 +200,16 @@ def commit_with(
             raise
 
     event.listen(conn, "commit", commit)
+
+
+def _commit_in_pipeline(raw: Any, sql: str, values: Any) -> None:
+    if isinstance(raw, psycopg.AsyncConnection):
+        await_only(_commit_async(raw, sql, values))
+        return
+    assert isinstance(raw, psycopg.Connection)
+    with raw.pipeline():
+        raw.execute(sql, values)
+        raw.execute("COMMIT")
 
 
 async def _commit_async(raw: Any, sql: str, values: Any) -> None:

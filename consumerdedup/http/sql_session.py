@@ -106,9 +106,10 @@ def claim_in(
         first = advance(steps, None)
         assert isinstance(first, tuple)  # a claim has a statement
         if isinstance(first[0], TextClause | TextualSelect):  # sql_postgres.py's claims
-            rows = sql_pipeline.begin_with(conn, first[0], first[1])  # BEGIN with the claim
+            opening = sql_pipeline.begin_statement(session)
+            rows = sql_pipeline.begin_with(conn, opening, first[0], first[1])  # BEGIN, the claim
         else:  # in autocommit: without our BEGIN the claim would commit alone
-            conn.exec_driver_sql("BEGIN")
+            conn.exec_driver_sql(sql_pipeline.begin_statement(session))
             rows = list(conn.execute(*first).all())
         begin(conn)  # verified: a real transaction on a supported driver
         step = advance(steps, rows)

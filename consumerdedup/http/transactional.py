@@ -8,8 +8,9 @@ inside the endpoint raises CommitInEndpoint (the request fails, everything
 rolls back, nothing is stored), and so does transaction-control SQL on the
 request's connection (``COMMIT``, ``END``, ``ROLLBACK``, ``BEGIN`` in any
 spelling db.control_sql reads), which would commit or drop the claim behind
-the session's back; ``allow()`` lifts the guard for the middleware's own
-commit. Not refused: the raw DB-API connection's own ``commit()``, except that
+the session's back, and so does the request's Connection.commit(); a savepoint's
+commit (``begin_nested()``) is not refused; ``allow()`` lifts the guard for the
+middleware's own commit. Not refused: the raw DB-API connection's own ``commit()``, except that
 on PostgreSQL's pipelined path (sql_pipeline.py, a connection in autocommit) any
 statement after it, or after the raw ``rollback()``, is. Shared by the ASGI and
 WSGI middleware.
@@ -44,7 +45,8 @@ def hold_commits(session: Session | AsyncSession) -> Callable[[], None]:
     allowed = False
 
     def refuse(_: Any) -> None:
-        if not allowed:
+        # A savepoint's commit (begin_nested()'s RELEASE) keeps the claim's transaction.
+        if not allowed and not target.in_nested_transaction():
             raise CommitInEndpoint(
                 "a transactional idempotent endpoint called commit() on the request's session; "
                 "leave the commit to the middleware (it commits your writes with the stored "
@@ -53,10 +55,25 @@ def hold_commits(session: Session | AsyncSession) -> Callable[[], None]:
 
     pipelined = sql_pipeline.is_pipelined(target)
 
+    def refuse_connection_commit(conn: Connection) -> None:
+        # Connection.commit() (session.connection().commit()) skips the Session's
+        # before_commit: raised here, before the driver's commit, nothing commits. SQLAlchemy
+        # then counts the transaction as over while the database's is open, which the pool
+        # cannot take back (in autocommit it fails to reset the connection and keeps it
+        # checked out forever), so the connection is discarded: its transaction with it.
+        if not allowed:
+            conn.invalidate()
+            raise CommitInEndpoint(
+                "a transactional idempotent endpoint called commit() on the request's "
+                "connection; leave the commit to the middleware (it commits your writes with "
+                "the stored response), or make the route non-transactional"
+            )
+
     def refuse_sql(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
-        if pipelined and not allowed and sql_pipeline.ended(conn):
+        if pipelined and sql_pipeline.ended(conn):
             # The connection is in autocommit (sql_pipeline.py): with its transaction ended
-            # behind the Session's back (the raw DB-API rollback()), this would commit alone.
+            # behind the Session's back (the raw DB-API rollback()), this would commit alone;
+            # so would the flush of the middleware's own commit (allowed or not).
             raise CommitInEndpoint(
                 "a transactional idempotent endpoint ended the request's transaction itself "
                 "(the DB-API connection's rollback() or commit()?); leave ending it to the "
@@ -76,7 +93,9 @@ def hold_commits(session: Session | AsyncSession) -> Callable[[], None]:
 
     event.listen(target, "before_commit", refuse)
     # The claim made the connection (claim_in), so this is the request's own; no I/O here.
-    event.listen(target.connection(), "before_cursor_execute", refuse_sql)
+    connection = target.connection()
+    event.listen(connection, "before_cursor_execute", refuse_sql)
+    event.listen(connection, "commit", refuse_connection_commit)
     return allow
 
 

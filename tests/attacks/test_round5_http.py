@@ -1,0 +1,297 @@
+"""Round-5 attacks on transactional HTTP idempotency (the pipelined PostgreSQL path of
+22a7385), through a real uvicorn server and httpx.
+
+``make_app`` is a raw ASGI app over one engine with ONE pooled connection (pool_size=1,
+max_overflow=0), so a request after a failed one runs on the connection the failed one
+left behind. ``CDD_R5_ISOLATION`` gives the engine an isolation level. Every POST /tx is
+transactional with a required key; it writes one run (and an outbox event) in the
+request's session, then does what its ``X-Attack`` header says (a header: not part of the
+fingerprint, so a retry with the same key and body may attack differently):
+  (none)          answers 201
+  raise           raises after its write
+  conn-commit     session.connection().commit(): ends the claim's transaction itself
+  nested          writes again inside session.begin_nested(), answers 201
+  raw-rollback    the DB-API connection's rollback(), then an ORM add left to the flush
+  isolation       answers 201 with the transaction's isolation level
+  terminate       its backend is terminated (pg_terminate_backend) before the commit
+  deferred        a deferred unique constraint that fails only at COMMIT
+GET /state passes through and reports the pooled connection's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session, registry
+
+from consumerdedup import Outbox
+from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
+from consumerdedup.http.asgi import SESSION_KEY
+from tests.http.asgi_apps import _answer, _read, tables_for
+from tests.http.conftest import Server, ServerKind, new_key, serve
+
+POLICY = IdempotencyPolicy.of({"/tx": RoutePolicy(required=True, transactional=True)})
+
+
+class Run:
+    """An ORM-mapped run, for the attack whose write is left to the commit's flush."""
+
+    route: str
+    principal: str | None
+    note: str
+
+
+def make_app() -> Any:
+    url = os.environ["CDD_HTTP_DB"]
+    schema = os.environ.get("CDD_HTTP_SCHEMA", "")
+    tables, runs = tables_for(schema)
+    mapper = registry()
+    if not hasattr(Run, "__mapper__"):
+        mapper.map_imperatively(Run, runs)
+    options: dict[str, Any] = {"pool_size": 1, "max_overflow": 0}
+    if level := os.environ.get("CDD_R5_ISOLATION"):
+        options["isolation_level"] = level
+    deferred = f"{schema}.r5_deferred" if schema else "r5_deferred"
+    with create_engine(url).begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE TABLE IF NOT EXISTS {deferred} (id int, CONSTRAINT r5_unique UNIQUE (id) "
+            "DEFERRABLE INITIALLY DEFERRED)"
+        )
+    side = create_engine(url, poolclass=None)  # the killer's own connection
+    is_async = os.environ.get("CDD_HTTP_ASYNC") == "1"
+    engine: Any = (
+        create_async_engine(make_url(url).set(drivername="postgresql+psycopg"), **options)
+        if is_async
+        else create_engine(url, **options)
+    )
+    outbox = Outbox(tables)
+
+    def attack_sync(session: Session, attack: str) -> str:
+        row = {"route": "tx", "principal": None, "note": attack or "ok"}
+        session.execute(runs.insert().values(row))
+        outbox.add(session, "payments", (attack or "ok").encode())
+        answer = ""
+        if attack == "raise":
+            raise RuntimeError("the endpoint failed after its write")
+        if attack == "conn-commit":
+            session.connection().commit()
+        if attack == "nested":
+            with session.begin_nested():
+                session.execute(runs.insert().values({**row, "note": "nested"}))
+        if attack == "raw-rollback":
+            session.connection().connection.rollback()  # the DB-API connection's
+            run = Run()
+            run.route, run.principal, run.note = "tx", None, "after-raw-rollback"
+            session.add(run)  # flushed by the middleware's commit
+        if attack == "isolation":
+            answer = str(session.execute(text("SHOW transaction_isolation")).scalar_one())
+        if attack == "terminate":
+            pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            with side.connect() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        if attack == "deferred":
+            session.execute(text(f"INSERT INTO {deferred} VALUES (1), (1)"))
+        return answer
+
+    async def state() -> dict[str, Any]:
+        if is_async:
+            async with engine.connect() as conn:
+                raw = (await conn.get_raw_connection()).driver_connection
+                first = {"autocommit": raw.autocommit, "status": int(raw.info.transaction_status)}
+                level = (await conn.execute(text("SHOW transaction_isolation"))).scalar_one()
+                return {**first, "isolation": level}
+
+        def read() -> dict[str, Any]:
+            with engine.connect() as conn:
+                raw = conn.connection.driver_connection
+                first = {"autocommit": raw.autocommit, "status": int(raw.info.transaction_status)}
+                level = conn.execute(text("SHOW transaction_isolation")).scalar_one()
+                return {**first, "isolation": level}
+
+        return await asyncio.to_thread(read)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await _read(receive)
+        if scope["path"] in ("/health", "/state"):
+            await _answer(send, 200, await state() if scope["path"] == "/state" else {})
+            return
+        headers = dict(scope["headers"])
+        attack = headers.get(b"x-attack", b"").decode()
+        session = scope[SESSION_KEY]
+        if isinstance(session, AsyncSession):
+            answer = await session.run_sync(attack_sync, attack)
+        else:
+            answer = await asyncio.to_thread(attack_sync, session, attack)
+        await _answer(send, 201, {"attack": attack, "answer": answer})
+
+    return IdempotencyMiddleware(app, engine, policy=POLICY, tables=tables)
+
+
+def _uvicorn(port: int) -> list[str]:
+    from tests.http.conftest import uvicorn
+
+    argv = uvicorn(port)
+    argv[argv.index("tests.http.asgi_apps:make_app")] = "tests.attacks.test_round5_http:make_app"
+    return argv
+
+
+KINDS = [
+    ServerKind("round5-postgresql-async", "postgresql", {"CDD_HTTP_ASYNC": "1"}, _uvicorn),
+    ServerKind("round5-postgresql-sync", "postgresql", {}, _uvicorn),
+]
+SERIALIZABLE = [
+    ServerKind(
+        "round5-serializable-async",
+        "postgresql",
+        {"CDD_HTTP_ASYNC": "1", "CDD_R5_ISOLATION": "SERIALIZABLE"},
+        _uvicorn,
+    ),
+    ServerKind(
+        "round5-serializable-sync", "postgresql", {"CDD_R5_ISOLATION": "SERIALIZABLE"}, _uvicorn
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
+def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from serve(request, request.param)
+
+
+@pytest.fixture(scope="module", params=KINDS[:1], ids=lambda k: k.name)
+def attacked_async(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The AsyncEngine's server only. Over a blocking engine with ONE pooled connection, 19
+    twins wait for the pool in asyncio's few worker threads while the first request needs
+    one of them to commit: all stall until pool_timeout (30 s; liveness, not a second
+    effect: in the round-5 report)."""
+    yield from serve(request, request.param)
+
+
+@pytest.fixture(scope="module", params=SERIALIZABLE, ids=lambda k: k.name)
+def serializable(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from serve(request, request.param)
+
+
+def _post(server: Server, key: str, attack: str = "") -> httpx.Response:
+    headers = {"Idempotency-Key": key, "X-Attack": attack}
+    return httpx.post(server.url + "/tx", content=b"{}", headers=headers, timeout=15)
+
+
+def _effects(server: Server) -> tuple[int, int]:
+    """(runs committed, outbox events committed)."""
+    outbox = server.qualified("outbox")
+    return server.runs("tx"), server.count(f"SELECT count(*) FROM {outbox}")
+
+
+def _clean_connection(server: Server, isolation: str = "read committed") -> None:
+    """The one pooled connection is back as the pool lent it: not in autocommit, not inside
+    a leftover transaction, at the engine's isolation level."""
+    state = httpx.get(server.url + "/state", timeout=10).json()
+    assert state == {"autocommit": False, "status": 0, "isolation": isolation}, state
+
+
+def _retry_runs_once(server: Server, key: str, before: tuple[int, int]) -> None:
+    """A retry of a request that committed nothing runs afresh, once; then it replays."""
+    first = _post(server, key)
+    assert first.status_code == 201, first.text
+    again = _post(server, key)
+    assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    assert _effects(server) == (before[0] + 1, before[1] + 1)
+
+
+@pytest.mark.parametrize("attack", ["raise", "terminate", "deferred"])
+def test_a_request_that_did_not_commit_leaves_nothing_and_a_clean_connection(
+    attacked: Server, attack: str
+) -> None:
+    before = _effects(attacked)
+    key = new_key()
+    answer = _post(attacked, key, attack)
+    assert not answer.is_success, answer.text  # no 2xx for work that did not commit
+    assert _effects(attacked) == before
+    _clean_connection(attacked)
+    _retry_runs_once(attacked, key, before)
+    _clean_connection(attacked)
+
+
+def test_the_endpoint_committing_the_connection_itself_is_refused(attacked: Server) -> None:
+    """session.connection().commit() would commit the write and a claim with no response:
+    its retry would run again once the claim's lease ran out."""
+    before = _effects(attacked)
+    key = new_key()
+    answer = _post(attacked, key, "conn-commit")
+    assert answer.status_code >= 500, answer.text
+    assert _effects(attacked) == before
+    _clean_connection(attacked)
+    _retry_runs_once(attacked, key, before)
+
+
+def test_a_write_flushed_after_a_raw_rollback_never_commits_alone(attacked: Server) -> None:
+    """The DB-API rollback() ended the claim's transaction; the ORM row left pending is
+    flushed by the middleware's commit, on a connection in autocommit."""
+    before = _effects(attacked)
+    key = new_key()
+    answer = _post(attacked, key, "raw-rollback")
+    assert answer.status_code >= 500, answer.text
+    assert _effects(attacked) == before
+    assert attacked.runs("tx", "after-raw-rollback") == 0
+    _clean_connection(attacked)
+    _retry_runs_once(attacked, key, before)
+
+
+def test_a_savepoint_in_the_endpoint_commits_with_the_response(attacked: Server) -> None:
+    before = _effects(attacked)
+    key = new_key()
+    answer = _post(attacked, key, "nested")
+    assert answer.status_code == 201, answer.text
+    assert attacked.runs("tx", "nested") >= 1
+    again = _post(attacked, key, "nested")
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert _effects(attacked) == (before[0] + 2, before[1] + 1)
+    _clean_connection(attacked)
+
+
+def test_twenty_identical_requests_at_once_have_one_effect(attacked_async: Server) -> None:
+    attacked = attacked_async
+    before = _effects(attacked)
+    key = new_key()
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=attacked.url, timeout=30) as client:
+            sends = [
+                client.post("/tx", content=b"{}", headers={"Idempotency-Key": key})
+                for _ in range(20)
+            ]
+            return list(await asyncio.gather(*sends))
+
+    answers = asyncio.run(burst())
+    codes = sorted(a.status_code for a in answers)
+    assert set(codes) <= {201, 409}, codes
+    assert _effects(attacked) == (before[0] + 1, before[1] + 1)
+    fresh = [a for a in answers if a.status_code == 201 and "idempotent-replayed" not in a.headers]
+    assert len(fresh) == 1
+    other = httpx.post(
+        attacked.url + "/tx", content=b'{"other": 1}', headers={"Idempotency-Key": key}, timeout=10
+    )
+    assert other.status_code == 422, other.text
+    _clean_connection(attacked)
+
+
+def test_the_engines_isolation_level_holds_in_the_endpoint_and_after(serializable: Server) -> None:
+    """An engine at SERIALIZABLE: the endpoint's transaction must run at it (a payment that
+    checks a balance relies on it), and the pooled connection must come back at it."""
+    answer = _post(serializable, new_key(), "isolation")
+    assert answer.status_code == 201, answer.text
+    assert json.loads(answer.content)["answer"] == "serializable"
+    _clean_connection(serializable, "serializable")
