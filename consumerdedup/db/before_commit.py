@@ -25,6 +25,8 @@ from typing import Any, Protocol
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from ..errors import ConfigurationError
+
 KEY = "consumerdedup.before_commit"
 
 
@@ -36,9 +38,21 @@ class Deferred(Protocol):
     async def flush_async(self, session: AsyncSession) -> None: ...
 
 
-def open_queue(session: Session | AsyncSession) -> None:
-    """Start holding back writes in ``session``'s transaction: a fresh queue, whatever an
-    earlier transaction of a reused session left."""
+def open_queue(session: Session | AsyncSession, what: str = "a deduplicator") -> None:
+    """Start holding back writes in ``session``'s transaction: a fresh queue (an earlier
+    attempt on a reused session dropped its own when it ended).
+
+    A queue still open is another pipeline's attempt in progress on this very session (a
+    scoped_session shared by two deduplicators, one's handler calling the other's):
+    joining it, our COMMIT would commit that transaction halfway and its held-back writes
+    would be lost. Refused (ConfigurationError) before anything of ours touches it.
+    """
+    if isinstance(session.info.get(KEY), dict):
+        raise ConfigurationError(
+            f"{what}: the session factory gave a session another deduplicator's transaction "
+            "is using (a scoped_session shared by two deduplicators, one's handler calling "
+            "the other's); give each deduplicator its own sessionmaker"
+        )
     session.info[KEY] = {}
 
 

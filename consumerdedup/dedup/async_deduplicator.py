@@ -15,7 +15,6 @@ from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
-from .deduplicator import begin_checked
 from .driver_sql import execute_async
 from .handler_guard import HandlerCall, pending_writes
 from .handler_kinds import check_awaitable, check_awaited, require_async
@@ -33,6 +32,7 @@ from .ops import (
 from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
+from .transaction_start import begin_checked
 
 AsyncHandlerFn = Callable[[Message, AsyncSession], Awaitable[Any]]
 AsyncBulkHandlerFn = Callable[[list[Message], AsyncSession], Awaitable[Any]]
@@ -143,7 +143,7 @@ class AsyncDedupHandler:
 
     async def _attempt(self, batch: Batch) -> AttemptReport:
         async with self.dedup.session_factory() as session:
-            before_commit.open_queue(session)  # outbox key locks: in one order, at COMMIT
+            before_commit.open_queue(session, self.dedup.what)  # outbox keys: at COMMIT
             try:
                 return await self._drive(self._pipeline.attempt(batch), session)
             finally:  # a reused session (scoped_session) must not hold writes back later

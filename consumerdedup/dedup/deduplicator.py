@@ -7,15 +7,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy import exc as sa_exc
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..db import before_commit, dialects, sqlite
-from ..errors import AuthenticationFailed, ConfigurationError
+from ..db import before_commit, dialects
 from ..message import Message
 from ..outcome import Outcome, Result
-from ..reasons import authentication_refused, describe
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .driver_sql import execute
@@ -35,17 +32,10 @@ from .ops import (
 from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
+from .transaction_start import begin_checked
 
 HandlerFn = Callable[[Message, Session], Any]
 BulkHandlerFn = Callable[[list[Message], Session], Any]
-_MAY_PASS = (
-    sa_exc.DBAPIError,
-    sa_exc.TimeoutError,
-    sa_exc.DisconnectionError,
-    OSError,
-    ConfigurationError,
-)
-"""What beginning a transaction may raise for reasons that pass: the retry policy's to judge."""
 
 
 class Deduplicator(OutcomeReporter):
@@ -151,7 +141,7 @@ class DedupHandler:
 
     def _attempt(self, batch: Batch) -> AttemptReport:
         with self.dedup.session_factory() as session:
-            before_commit.open_queue(session)  # outbox key locks: in one order, at COMMIT
+            before_commit.open_queue(session, self.dedup.what)  # outbox keys: at COMMIT
             try:
                 return self._drive(self._pipeline.attempt(batch), session)
             finally:  # a reused session (scoped_session) must not hold writes back later
@@ -244,46 +234,3 @@ class BulkDedupHandler(DedupHandler):
 
 def _one_message(fn: BulkHandlerFn, message: Message, session: Session) -> Any:
     return fn([message], session)
-
-
-def begin_checked(session: Session, what: str) -> None:
-    """Before our first statement, on the connection the session really uses: a real
-    transaction (BEGIN IMMEDIATE on SQLite), on a supported driver, not in autocommit,
-    and the session's own (its commit is the database's)."""
-    if session.twophase:  # PREPARE TRANSACTION at our COMMIT: a crash there holds the claims
-        raise ConfigurationError(
-            f"{what}: the session factory gives two-phase sessions (twophase=True); our "
-            "commit must be a plain COMMIT (a prepared transaction left by a crash would hold "
-            "its claims' locks until resolved by hand); use a session factory without twophase"
-        )
-    if session.in_transaction():  # a scoped_session another pipeline (or the caller) is in
-        raise ConfigurationError(
-            f"{what}: the session factory gave a session already in a transaction (a "
-            "scoped_session shared with another deduplicator whose handler calls this one, or "
-            "with code of yours); our COMMIT would commit that transaction's work halfway; "
-            "give each deduplicator its own sessionmaker, or sessions not in a transaction"
-        )
-    bind = session.get_bind()
-    if isinstance(bind, Connection) and bind.in_transaction() and not session.in_transaction():
-        raise ConfigurationError(
-            f"{what}: the session factory gave a session bound to a Connection already in a "
-            "transaction; the session would join it, and its commit would commit nothing "
-            "(PROCESSED would be reported for work the caller may still roll back); give "
-            "sessions bound to an engine, or to a connection not in a transaction"
-        )
-    try:
-        connection = session.connection()
-    except sa_exc.DBAPIError as exc:
-        if authentication_refused(exc):  # retrying cannot fix a refused login: stop
-            raise AuthenticationFailed(f"{what}: {describe(exc)}") from exc
-        raise  # the database is unreachable, the pool is full: retried
-    except _MAY_PASS:  # the database is unreachable, the pool is full: retried
-        raise
-    except Exception as exc:  # a creator=, a connect listener or a dialect that breaks
-        raise ConfigurationError(
-            f"{what}: the session factory's engine could not begin a transaction "
-            f"({describe(exc)}): this is its setup, not any message's fault"
-        ) from exc
-    dialects.require_readable(connection, what)
-    sqlite.begin_immediate(connection)
-    dialects.require_transaction(connection, what)

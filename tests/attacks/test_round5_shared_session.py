@@ -3,9 +3,9 @@
 The inner pipeline got the session the outer one's transaction was in: its COMMIT
 committed the outer claim halfway (the outer message then answered DUPLICATE) and its
 fresh queue of held-back outbox events replaced the outer one's, whose event was never
-written though its record said processed. A session already in a transaction is refused
-now (ConfigurationError), and the outer message fails alone: nothing of it is recorded
-as processed, no event of either is written."""
+written though its record said processed. A session another pipeline's attempt is using
+is refused now (ConfigurationError, before the inner pipeline touches it), and the outer
+message fails alone: nothing of it recorded as processed, no event of either written."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_sync_a_shared_session_in_a_transaction_is_refused(db: Database) -> None
             refused.append(exc)
 
     outcome = outer.handler(handler)(Message(id="m1", body=b"{}"))
-    assert refused and "already in a transaction" in str(refused[0])
+    assert refused and "another deduplicator" in str(refused[0])
     records, bodies = _state(db)
     assert outcome is not Outcome.PROCESSED and outcome is not Outcome.DUPLICATE
     assert ("outer", "m1") not in records or records[("outer", "m1")] == "failed"
@@ -85,7 +85,7 @@ def test_async_a_shared_session_in_a_transaction_is_refused(db: Database) -> Non
             await engine.dispose()
 
     outcome = asyncio.run(go())
-    assert refused and "already in a transaction" in str(refused[0])
+    assert refused and "another deduplicator" in str(refused[0])
     records, bodies = _state(db)
     assert outcome is not Outcome.PROCESSED and outcome is not Outcome.DUPLICATE
     assert ("outer", "m1") not in records or records[("outer", "m1")] == "failed"
