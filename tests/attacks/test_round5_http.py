@@ -60,11 +60,15 @@ def make_app() -> Any:
     if level := os.environ.get("CDD_R5_ISOLATION"):
         options["isolation_level"] = level
     deferred = f"{schema}.r5_deferred" if schema else "r5_deferred"
+    sqlite = make_url(url).get_backend_name() == "sqlite"
+    if sqlite:
+        options = {"connect_args": {"timeout": 30, "check_same_thread": False}}
     with create_engine(url).begin() as conn:
-        conn.exec_driver_sql(
-            f"CREATE TABLE IF NOT EXISTS {deferred} (id int, CONSTRAINT r5_unique UNIQUE (id) "
-            "DEFERRABLE INITIALLY DEFERRED)"
-        )
+        if not sqlite:
+            conn.exec_driver_sql(
+                f"CREATE TABLE IF NOT EXISTS {deferred} (id int, "
+                "CONSTRAINT r5_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)"
+            )
     side = create_engine(url, poolclass=None)  # the killer's own connection
     is_async = os.environ.get("CDD_HTTP_ASYNC") == "1"
     engine: Any = (
@@ -148,6 +152,7 @@ def _uvicorn(port: int) -> list[str]:
     return argv
 
 
+SQLITE = ServerKind("round5-sqlite-sync", "sqlite", {}, _uvicorn)
 KINDS = [
     ServerKind("round5-postgresql-async", "postgresql", {"CDD_HTTP_ASYNC": "1"}, _uvicorn),
     ServerKind("round5-postgresql-sync", "postgresql", {}, _uvicorn),
@@ -167,6 +172,12 @@ SERIALIZABLE = [
 
 @pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
 def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from serve(request, request.param)
+
+
+@pytest.fixture(scope="module", params=[*KINDS, SQLITE], ids=lambda k: k.name)
+def any_database(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The PostgreSQL servers and one over SQLite (BEGIN IMMEDIATE: the plain path)."""
     yield from serve(request, request.param)
 
 
@@ -295,3 +306,23 @@ def test_the_engines_isolation_level_holds_in_the_endpoint_and_after(serializabl
     assert answer.status_code == 201, answer.text
     assert json.loads(answer.content)["answer"] == "serializable"
     _clean_connection(serializable, "serializable")
+
+
+@pytest.mark.parametrize("attack", ["raise", "conn-commit"])
+def test_on_every_database_a_failed_request_commits_nothing_and_its_retry_runs_once(
+    any_database: Server, attack: str
+) -> None:
+    before = _effects(any_database)
+    key = new_key()
+    answer = _post(any_database, key, attack)
+    assert answer.status_code >= 500, answer.text
+    assert _effects(any_database) == before
+    _retry_runs_once(any_database, key, before)
+
+
+def test_on_every_database_a_savepoint_commits_with_the_response(any_database: Server) -> None:
+    before = _effects(any_database)
+    key = new_key()
+    assert _post(any_database, key, "nested").status_code == 201
+    assert _post(any_database, key, "nested").headers.get("idempotent-replayed") == "true"
+    assert _effects(any_database) == (before[0] + 2, before[1] + 1)
