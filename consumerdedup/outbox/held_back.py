@@ -129,6 +129,8 @@ class SavepointTrack:
     def __init__(self) -> None:
         self.open: list[str] = []
         self.raw = False
+        self.path_before: Any = None
+        """The search_path read before a statement that may change it (None: no such)."""
 
     def flush(self, session: Session) -> None:
         """Nothing to write (a queue entry, so it lives exactly as long as the queue)."""
@@ -155,9 +157,40 @@ def _track(held: dict[Any, Any], session: Session) -> SavepointTrack:
     connection = session.connection()
     # On the Connection object (one per checkout), not its info (the pooled connection's).
     if not event.contains(connection, "after_cursor_execute", _statement_ran):
+        event.listen(connection, "before_cursor_execute", _statement_starts)
         event.listen(connection, "after_cursor_execute", _statement_ran)
     connection.info[_SQL_WATCHED] = weakref.ref(session)
     return track
+
+
+def _tracked(connection: Connection) -> tuple[dict[Any, Any], SavepointTrack] | None:
+    owner = connection.info.get(_SQL_WATCHED)
+    session = owner() if owner is not None else None
+    queue = before_commit.queue(session) if session is not None else None
+    track = queue.get(_TRACK) if queue is not None else None
+    return (queue, track) if queue is not None and isinstance(track, SavepointTrack) else None
+
+
+def _unqualified_held(queue: dict[Any, Any]) -> bool:
+    return any(
+        isinstance(e, HeldBackEvents) and e.held and e.table.schema is None for e in queue.values()
+    )
+
+
+def _search_path(connection: Connection) -> Any:
+    """The path in force, read on a DB-API cursor of its own (no SQLAlchemy event fires)."""
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.execute("SELECT current_setting('search_path')")
+        return cursor.fetchone()
+    finally:
+        cursor.close()
+
+
+def _statement_starts(connection: Connection, _cursor: Any, statement: str, *_: Any) -> None:
+    tracked = _tracked(connection)
+    if tracked and "SEARCH_PATH" in statement.upper() and _unqualified_held(tracked[0]):
+        tracked[1].path_before = _search_path(connection)
 
 
 def _statement_ran(
@@ -168,12 +201,10 @@ def _statement_ran(
     context: Any,
     _executemany: bool,
 ) -> None:
-    owner = connection.info.get(_SQL_WATCHED)
-    session = owner() if owner is not None else None
-    queue = before_commit.queue(session) if session is not None else None
-    track = queue.get(_TRACK) if queue is not None else None
-    if not isinstance(track, SavepointTrack) or queue is None:
+    tracked = _tracked(connection)
+    if tracked is None:
         return
+    queue, track = tracked
     compiled = getattr(context, "compiled", None)
     clause = getattr(compiled, "statement", None)
     if isinstance(clause, SavepointClause):
@@ -188,13 +219,13 @@ def _statement_ran(
         track.raw = True
         if any(isinstance(e, HeldBackEvents) and e.held for e in queue.values()):
             raise ConfigurationError(_RAW_SAVEPOINT)
-    elif "SEARCH_PATH" in statement.upper() and any(
-        isinstance(e, HeldBackEvents) and e.held and e.table.schema is None for e in queue.values()
-    ):
-        # The held rows' unqualified table would resolve under the new search_path at
-        # COMMIT (another tenant's outbox): this message goes again in a transaction of
-        # its own, after the batch-mates that held them have committed.
-        raise RetryLater(_SEARCH_PATH)
+    elif track.path_before is not None:
+        before, track.path_before = track.path_before, None
+        if _search_path(connection) != before:
+            # The held rows' unqualified table would resolve under the new path at COMMIT
+            # (another tenant's outbox): this message goes again in a transaction of its
+            # own, after the batch-mates that held them have committed.
+            raise RetryLater(_SEARCH_PATH)
 
 
 def _savepoint_rolled_back(session: Session, rolled_back: SessionTransaction) -> None:
