@@ -277,7 +277,7 @@ def test_failed_logs_its_traceback_at_error(
     line = record.getMessage()
     assert record.levelno == logging.ERROR and "reason=PermanentError: no amount" in line
     assert "Traceback (most recent call last):" in line
-    assert "in read_amount" in line and "return int(body[\"amount\"])" in line
+    assert "in read_amount" in line and 'return int(body["amount"])' in line
     assert "KeyError: 'amount'" in line
     assert "direct cause of the following exception" in line
     assert line.rstrip().endswith("PermanentError: no amount")
