@@ -209,22 +209,20 @@ class Exchange:
                 )
         except ClaimLost:
             exchange.log_rolled_back(scope)
-            await self.close_session()
-            self.held = None
+            await self.rolled_back()
             return flow.ClaimLost()
         except Exception:
             exchange.log.exception("idempotency commit failed for %s", scope)
-            await self.close_session()
-            self.held = None
+            await self.rolled_back()
             return False
         self.held = None
         return True
 
     async def release(self, scope: str, key: str, token: str) -> None:
-        held, self.held = self.held, None
-        if held is not None and held.policy.transactional:
-            await self.close_session()  # rolls the endpoint's writes and the claim back
+        if self.held is not None and self.held.policy.transactional:
+            await self.rolled_back()  # rolls the endpoint's writes and the claim back
         else:
+            self.held = None
             await call(self.owner.store.release, scope, key, token)
 
     async def finish(self, decision: flow.Decision) -> None:
@@ -242,14 +240,30 @@ class Exchange:
         """Cancelled or failed mid-way: never leave a claim behind (the retry runs afresh)."""
         if self.app_task is not None and not self.app_task.done():
             self.app_task.cancel()
-        held, self.held = self.held, None
+        held = self.held
         if held is None:
             return
+        if held.policy.transactional:
+            await self.rolled_back()
+            return
+        self.held = None
         with contextlib.suppress(Exception):
-            if held.policy.transactional:
-                await self.close_session()
-            else:
-                await call(self.owner.store.release, held.scope, held.key, self.token)
+            await call(self.owner.store.release, held.scope, held.key, self.token)
+
+    async def rolled_back(self) -> None:
+        """A transactional request that did not complete: roll it back, then make sure its
+        claim was not committed by the endpoint itself (exchange.COMMITTED_BEHIND)."""
+        held, self.held = self.held, None
+        await self.close_session()
+        store = self.owner.sql_store
+        if held is None or store is None:
+            return
+        args = (held.scope, held.key, self.token, exchange.COMMITTED_BEHIND, held.policy.expiry)
+        try:
+            if await call(store.complete, *args):
+                exchange.log_committed_behind(held.scope)
+        except Exception:
+            exchange.log.exception("idempotency claim could not be checked for %s", held.scope)
 
     async def close_session(self) -> None:
         session, self.session = self.session, None

@@ -23,6 +23,7 @@ from . import flow
 from .policy import IdempotencyPolicy
 from .sql_statements import is_lock_timeout
 from .store import InFlight
+from .stored import StoredResponse
 
 SESSION_KEY = "consumerdedup.session"
 """Where a transactional endpoint finds the request's Session (ASGI scope, WSGI environ)."""
@@ -99,6 +100,23 @@ def claim_in_failed(
         log.info("idempotency store busy for %s: SQLite's write lock", scope)
         return flow.StoreBusy()
     return InFlight(1.0)
+
+
+COMMITTED_BEHIND = StoredResponse.unreplayable(500, "the endpoint committed its claim itself")
+"""What a transactional request that did not complete leaves when the endpoint had committed
+its claim itself (the DB-API connection's own commit(), which no event of ours sees): the
+claim row, and whatever the endpoint wrote, were committed with no response. Left in flight,
+its lease would run out and the retry would run the endpoint again; recorded as ran but not
+stored (the claim's token, so never a twin's record), a retry is refused (409
+response-not-stored). Written after the request's rollback; it finds no row otherwise."""
+
+
+def log_committed_behind(scope: str) -> None:
+    log.error(
+        "idempotency claim committed by the endpoint %s: recorded as not stored, a retry "
+        "is refused; leave the commit to the middleware",
+        scope,
+    )
 
 
 def log_rolled_back(scope: str) -> None:

@@ -189,8 +189,9 @@ class Exchange:
         self, scope: str, key: str, token: str, response: StoredResponse, expiry: Any
     ) -> bool | flow.ClaimLost:
         assert self.held is not None
-        held, self.held = self.held, None
+        held = self.held
         if not held.policy.transactional:
+            self.held = None
             try:
                 return bool(self.owner.store.complete(scope, key, token, response, expiry))
             except Exception:
@@ -203,19 +204,20 @@ class Exchange:
             complete_and_commit(store, session, allow, scope, key, token, response, expiry)
         except ClaimLost:
             exchange.log_rolled_back(scope)
-            self.close_session()
+            self.rolled_back()
             return flow.ClaimLost()
         except Exception:
             exchange.log.exception("idempotency commit failed for %s", scope)
-            self.close_session()
+            self.rolled_back()
             return False
+        self.held = None
         return True
 
     def release(self, scope: str, key: str, token: str) -> None:
-        held, self.held = self.held, None
-        if held is not None and held.policy.transactional:
-            self.close_session()  # rolls the endpoint's writes and the claim back
+        if self.held is not None and self.held.policy.transactional:
+            self.rolled_back()  # rolls the endpoint's writes and the claim back
         else:
+            self.held = None
             self.owner.store.release(scope, key, token)
 
     def finish(self, decision: flow.Decision) -> Iterable[bytes]:
@@ -240,14 +242,30 @@ class Exchange:
         """Failed mid-way: never leave a claim behind (the retry runs afresh)."""
         if self.response is not None:
             self.response.close()
-        held, self.held = self.held, None
+        held = self.held
         if held is None:
             return
+        if held.policy.transactional:
+            self.rolled_back()
+            return
+        self.held = None
         with contextlib.suppress(Exception):
-            if held.policy.transactional:
-                self.close_session()
-            else:
-                self.owner.store.release(held.scope, held.key, self.token)
+            self.owner.store.release(held.scope, held.key, self.token)
+
+    def rolled_back(self) -> None:
+        """A transactional request that did not complete: roll it back, then make sure its
+        claim was not committed by the endpoint itself (exchange.COMMITTED_BEHIND)."""
+        held, self.held = self.held, None
+        self.close_session()
+        store = self.owner.sql_store
+        if held is None or store is None:
+            return
+        args = (held.scope, held.key, self.token, exchange.COMMITTED_BEHIND, held.policy.expiry)
+        try:
+            if store.complete(*args):
+                exchange.log_committed_behind(held.scope)
+        except Exception:
+            exchange.log.exception("idempotency claim could not be checked for %s", held.scope)
 
     def close_session(self) -> None:
         session, self.session = self.session, None

@@ -15,6 +15,8 @@ fingerprint, so a retry with the same key and body may attack differently):
   isolation       answers 201 with the transaction's isolation level
   terminate       its backend is terminated (pg_terminate_backend) before the commit
   deferred        a deferred unique constraint that fails only at COMMIT
+  raw-commit-raise  the DB-API connection's own commit(), then raises (POST /txl: lease 1 s)
+A server over SQLite (the plain path) takes the attacks that are not PostgreSQL's.
 GET /state passes through and reports the pooled connection's state.
 """
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -38,7 +42,13 @@ from consumerdedup.http.asgi import SESSION_KEY
 from tests.http.asgi_apps import _answer, _read, tables_for
 from tests.http.conftest import Server, ServerKind, new_key, serve
 
-POLICY = IdempotencyPolicy.of({"/tx": RoutePolicy(required=True, transactional=True)})
+LEASE = timedelta(seconds=1)
+POLICY = IdempotencyPolicy.of(
+    {
+        "/tx": RoutePolicy(required=True, transactional=True),
+        "/txl": RoutePolicy(required=True, transactional=True, lease=LEASE),
+    }
+)
 
 
 class Run:
@@ -87,6 +97,9 @@ def make_app() -> Any:
             raise RuntimeError("the endpoint failed after its write")
         if attack == "conn-commit":
             session.connection().commit()
+        if attack == "raw-commit-raise":  # the DB-API connection's own commit()
+            session.connection().connection.commit()
+            raise RuntimeError("the endpoint failed after committing itself")
         if attack == "nested":
             with session.begin_nested():
                 session.execute(runs.insert().values({**row, "note": "nested"}))
@@ -326,3 +339,22 @@ def test_on_every_database_a_savepoint_commits_with_the_response(any_database: S
     assert _post(any_database, key, "nested").status_code == 201
     assert _post(any_database, key, "nested").headers.get("idempotent-replayed") == "true"
     assert _effects(any_database) == (before[0] + 2, before[1] + 1)
+
+
+def test_a_claim_the_endpoint_committed_itself_is_never_run_again(any_database: Server) -> None:
+    """The DB-API connection's own commit() (not refusable: no SQLAlchemy event sees it)
+    committed the write and the claim, with no response; then the endpoint failed. Once the
+    claim's lease ran out, the retry took it over and ran the endpoint a second time."""
+    server = any_database
+    before = _effects(server)
+    key = new_key()
+    headers = {"Idempotency-Key": key, "X-Attack": "raw-commit-raise"}
+    first = httpx.post(server.url + "/txl", content=b"{}", headers=headers, timeout=15)
+    assert first.status_code >= 500
+    time.sleep(LEASE.total_seconds() + 0.2)  # the lease must run out: that is the attack
+    retry = httpx.post(
+        server.url + "/txl", content=b"{}", headers={"Idempotency-Key": key}, timeout=15
+    )
+    assert server.runs("tx") - before[0] <= 1, "the endpoint ran twice"
+    assert retry.status_code == 409, retry.text
+    assert retry.json()["type"].endswith(":response-not-stored")
