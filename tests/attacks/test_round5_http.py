@@ -1,5 +1,6 @@
 """Round-5 attacks on transactional HTTP idempotency (the pipelined PostgreSQL path of
-22a7385), through a real uvicorn server and httpx.
+22a7385), through real servers (uvicorn; waitress with Flask for the WSGI middleware) and
+httpx.
 
 ``make_app`` is a raw ASGI app over one engine with ONE pooled connection (pool_size=1,
 max_overflow=0), so a request after a failed one runs on the connection the failed one
@@ -39,6 +40,7 @@ from sqlalchemy.orm import Session, registry
 from consumerdedup import Outbox
 from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePolicy
 from consumerdedup.http.asgi import SESSION_KEY
+from tests.http import wsgi_server
 from tests.http.asgi_apps import _answer, _read, tables_for
 from tests.http.conftest import Server, ServerKind, new_key, serve
 
@@ -59,7 +61,9 @@ class Run:
     note: str
 
 
-def make_app() -> Any:
+def _attacks(is_async: bool) -> tuple[Any, Any, Any, Any]:
+    """The engine, the tables, ``attack(session, name) -> answer`` and (blocking engines)
+    ``state() -> dict``, for the ASGI and the WSGI app alike."""
     url = os.environ["CDD_HTTP_DB"]
     schema = os.environ.get("CDD_HTTP_SCHEMA", "")
     tables, runs = tables_for(schema)
@@ -80,7 +84,6 @@ def make_app() -> Any:
                 "CONSTRAINT r5_unique UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)"
             )
     side = create_engine(url, poolclass=None)  # the killer's own connection
-    is_async = os.environ.get("CDD_HTTP_ASYNC") == "1"
     engine: Any = (
         create_async_engine(make_url(url).set(drivername="postgresql+psycopg"), **options)
         if is_async
@@ -118,6 +121,20 @@ def make_app() -> Any:
             session.execute(text(f"INSERT INTO {deferred} VALUES (1), (1)"))
         return answer
 
+    def read() -> dict[str, Any]:
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            first = {"autocommit": raw.autocommit, "status": int(raw.info.transaction_status)}
+            level = conn.execute(text("SHOW transaction_isolation")).scalar_one()
+            return {**first, "isolation": level}
+
+    return engine, tables, attack_sync, read
+
+
+def make_app() -> Any:
+    is_async = os.environ.get("CDD_HTTP_ASYNC") == "1"
+    engine, tables, attack_sync, read = _attacks(is_async)
+
     async def state() -> dict[str, Any]:
         if is_async:
             async with engine.connect() as conn:
@@ -125,14 +142,6 @@ def make_app() -> Any:
                 first = {"autocommit": raw.autocommit, "status": int(raw.info.transaction_status)}
                 level = (await conn.execute(text("SHOW transaction_isolation"))).scalar_one()
                 return {**first, "isolation": level}
-
-        def read() -> dict[str, Any]:
-            with engine.connect() as conn:
-                raw = conn.connection.driver_connection
-                first = {"autocommit": raw.autocommit, "status": int(raw.info.transaction_status)}
-                level = conn.execute(text("SHOW transaction_isolation")).scalar_one()
-                return {**first, "isolation": level}
-
         return await asyncio.to_thread(read)
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -157,6 +166,40 @@ def make_app() -> Any:
     return IdempotencyMiddleware(app, engine, policy=POLICY, tables=tables)
 
 
+def make_wsgi_app() -> Any:
+    """The same attacks under Flask and WSGIIdempotencyMiddleware (waitress)."""
+    from flask import Flask, jsonify, request
+
+    from consumerdedup.http.wsgi import WSGIIdempotencyMiddleware
+
+    engine, tables, attack_sync, read = _attacks(False)
+    app = Flask("consumerdedup-attack-round5")
+
+    @app.get("/health")
+    def health() -> Any:
+        return jsonify(ok=True)
+
+    @app.get("/state")
+    def state() -> Any:
+        return jsonify(read())
+
+    @app.post("/tx")
+    @app.post("/txl")
+    def attacked() -> Any:
+        attack = request.headers.get("X-Attack", "")
+        answer = attack_sync(request.environ[SESSION_KEY], attack)
+        return jsonify(attack=attack, answer=answer), 201
+
+    app.wsgi_app = WSGIIdempotencyMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app, engine, policy=POLICY, tables=tables
+    )
+    return app
+
+
+def _waitress(port: int) -> list[str]:
+    return wsgi_server.command("tests.attacks.test_round5_http:make_wsgi_app", port)
+
+
 def _uvicorn(port: int) -> list[str]:
     from tests.http.conftest import uvicorn
 
@@ -166,6 +209,7 @@ def _uvicorn(port: int) -> list[str]:
 
 
 SQLITE = ServerKind("round5-sqlite-sync", "sqlite", {}, _uvicorn)
+WAITRESS = ServerKind("round5-waitress-postgresql", "postgresql", {}, _waitress)
 KINDS = [
     ServerKind("round5-postgresql-async", "postgresql", {"CDD_HTTP_ASYNC": "1"}, _uvicorn),
     ServerKind("round5-postgresql-sync", "postgresql", {}, _uvicorn),
@@ -183,14 +227,14 @@ SERIALIZABLE = [
 ]
 
 
-@pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
+@pytest.fixture(scope="module", params=[*KINDS, WAITRESS], ids=lambda k: k.name)
 def attacked(request: pytest.FixtureRequest) -> Iterator[Server]:
     yield from serve(request, request.param)
 
 
-@pytest.fixture(scope="module", params=[*KINDS, SQLITE], ids=lambda k: k.name)
+@pytest.fixture(scope="module", params=[*KINDS, WAITRESS, SQLITE], ids=lambda k: k.name)
 def any_database(request: pytest.FixtureRequest) -> Iterator[Server]:
-    """The PostgreSQL servers and one over SQLite (BEGIN IMMEDIATE: the plain path)."""
+    """The PostgreSQL servers (uvicorn, waitress) and one over SQLite (the plain path)."""
     yield from serve(request, request.param)
 
 
