@@ -136,7 +136,7 @@ def begin_with(
     """``begin`` and ``statement`` in one round trip; ``statement``'s rows (named tuples)."""
     sql, values = _bound(conn, statement, params)
     raw = conn.connection.driver_connection
-    with _invalidated_when_lost(conn):
+    with _left_clean(conn):
         if isinstance(raw, psycopg.AsyncConnection):
             return await_only(_begin_async(raw, begin, sql, values))
         assert isinstance(raw, psycopg.Connection)
@@ -148,20 +148,30 @@ def begin_with(
 
 
 @contextlib.contextmanager
-def _invalidated_when_lost(conn: Connection) -> Iterator[None]:
+def _left_clean(conn: Connection) -> Iterator[None]:
     """A driver error from our pipelines reaches the caller raw, past SQLAlchemy's own
-    handling, which invalidates a connection it finds lost: without this, the Session's
-    close then fails on the dead connection and never gives it back to the pool (one
-    killed backend or a PostgreSQL restart leaked a pooled connection per request, until
-    every request waited on an empty pool). So a connection whose error the server did not
-    report (no SQLSTATE: the connection was lost), or that psycopg calls broken or closed,
-    is invalidated: the pool discards it and opens a new one."""
+    handling; at the commit SQLAlchemy then counts the transaction as over and gives the
+    connection to the pool without a rollback. A connection left inside its transaction
+    (aborted by an error the endpoint swallowed: a statement_timeout, an IntegrityError
+    caught without a savepoint) cannot be reset, and one whose connection was lost (a
+    killed backend, a restarted server) fails the Session's close: either stayed checked
+    out forever, until every request waited on an empty pool. So the transaction is rolled
+    back here, and a connection that is lost, broken, or does not roll back is invalidated
+    (the pool discards it and opens a new one)."""
     try:
         yield
     except psycopg.Error as error:
         raw = conn.connection.driver_connection
         if error.sqlstate is None or raw is None or raw.closed or raw.broken:
             conn.invalidate(error)
+        elif int(raw.info.transaction_status) != 0:  # not IDLE: roll it back
+            try:
+                if isinstance(raw, psycopg.AsyncConnection):
+                    await_only(raw.rollback())
+                else:
+                    raw.rollback()
+            except psycopg.Error:
+                conn.invalidate(error)
         raise
 
 
@@ -188,7 +198,7 @@ def commit_with(
         armed = False
         raw = conn.connection.driver_connection
         try:
-            with _invalidated_when_lost(conn):
+            with _left_clean(conn):
                 _commit_in_pipeline(raw, sql, values)
         except psycopg.Error as error:
             if LOST in str(error):

@@ -24,6 +24,7 @@ GET /state passes through and reports the pooled connection's state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -45,6 +46,7 @@ from tests.http.asgi_apps import _answer, _read, tables_for
 from tests.http.conftest import Server, ServerKind, new_key, serve
 
 LEASE = timedelta(seconds=1)
+STREAMED = 512 * 1024  # four chunks: 2 MiB, over the default max_stored_body
 POLICY = IdempotencyPolicy.of(
     {
         "/tx": RoutePolicy(required=True, transactional=True),
@@ -117,7 +119,11 @@ def _attacks(is_async: bool) -> tuple[Any, Any, Any, Any]:
             pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
             with side.connect() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
-        if attack == "deferred":
+        if attack == "timeout":  # statement_timeout fires; the endpoint swallows it
+            session.execute(text("SET LOCAL statement_timeout = '50ms'"))
+            with contextlib.suppress(Exception):
+                session.execute(text("SELECT pg_sleep(1)"))
+        if attack in ("deferred", "stream-deferred"):
             session.execute(text(f"INSERT INTO {deferred} VALUES (1), (1)"))
         return answer
 
@@ -126,7 +132,8 @@ def _attacks(is_async: bool) -> tuple[Any, Any, Any, Any]:
             raw = conn.connection.driver_connection
             first = {"autocommit": raw.autocommit, "status": int(raw.info.transaction_status)}
             level = conn.execute(text("SHOW transaction_isolation")).scalar_one()
-            return {**first, "isolation": level}
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            return {**first, "isolation": level, "pid": pid}
 
     return engine, tables, attack_sync, read
 
@@ -141,7 +148,8 @@ def make_app() -> Any:
                 raw = (await conn.get_raw_connection()).driver_connection
                 first = {"autocommit": raw.autocommit, "status": int(raw.info.transaction_status)}
                 level = (await conn.execute(text("SHOW transaction_isolation"))).scalar_one()
-                return {**first, "isolation": level}
+                pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+                return {**first, "isolation": level, "pid": pid}
         return await asyncio.to_thread(read)
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -161,6 +169,12 @@ def make_app() -> Any:
             answer = await session.run_sync(attack_sync, attack)
         else:
             answer = await asyncio.to_thread(attack_sync, session, attack)
+        if attack.startswith("stream"):  # past max_stored_body (1 MiB): committed, then sent
+            await send({"type": "http.response.start", "status": 201, "headers": []})
+            for i in range(4):
+                chunk = bytes([65 + i]) * STREAMED
+                await send({"type": "http.response.body", "body": chunk, "more_body": i < 3})
+            return
         await _answer(send, 201, {"attack": attack, "answer": answer})
 
     return IdempotencyMiddleware(app, engine, policy=POLICY, tables=tables)
@@ -238,6 +252,12 @@ def any_database(request: pytest.FixtureRequest) -> Iterator[Server]:
     yield from serve(request, request.param)
 
 
+@pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.name)
+def attacked_asgi(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The uvicorn servers (the streaming attacks are written in ASGI)."""
+    yield from serve(request, request.param)
+
+
 @pytest.fixture(scope="module", params=KINDS[:1], ids=lambda k: k.name)
 def attacked_async(request: pytest.FixtureRequest) -> Iterator[Server]:
     """The AsyncEngine's server only. Over a blocking engine with ONE pooled connection, 19
@@ -267,6 +287,7 @@ def _clean_connection(server: Server, isolation: str = "read committed") -> None
     """The one pooled connection is back as the pool lent it: not in autocommit, not inside
     a leftover transaction, at the engine's isolation level."""
     state = httpx.get(server.url + "/state", timeout=10).json()
+    state.pop("pid")
     assert state == {"autocommit": False, "status": 0, "isolation": isolation}, state
 
 
@@ -279,7 +300,7 @@ def _retry_runs_once(server: Server, key: str, before: tuple[int, int]) -> None:
     assert _effects(server) == (before[0] + 1, before[1] + 1)
 
 
-@pytest.mark.parametrize("attack", ["raise", "terminate", "deferred"])
+@pytest.mark.parametrize("attack", ["raise", "terminate", "deferred", "timeout"])
 def test_a_request_that_did_not_commit_leaves_nothing_and_a_clean_connection(
     attacked: Server, attack: str
 ) -> None:
@@ -402,3 +423,46 @@ def test_a_claim_the_endpoint_committed_itself_is_never_run_again(any_database: 
     assert server.runs("tx") - before[0] <= 1, "the endpoint ran twice"
     assert retry.status_code == 409, retry.text
     assert retry.json()["type"].endswith(":response-not-stored")
+
+
+def test_a_pooled_connection_killed_while_idle_is_replaced_not_leaked(attacked: Server) -> None:
+    """A PostgreSQL restart, or pg_terminate_backend on the idle pooled connection: the next
+    request's pipelined claim meets a dead connection. It must fail cleanly, and the one
+    pooled connection must be replaced, not kept checked out (every later request would
+    wait on an empty pool)."""
+    pid = httpx.get(attacked.url + "/state", timeout=10).json()["pid"]
+    with attacked.engine.connect() as conn:
+        conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+    before = _effects(attacked)
+    key = new_key()
+    first = _post(attacked, key)
+    assert first.status_code in (201, 503), first.text  # 503 store-unavailable: nothing ran
+    if first.status_code == 503:
+        assert _effects(attacked) == before
+        _retry_runs_once(attacked, key, before)
+    _clean_connection(attacked)
+
+
+def test_a_streamed_response_commits_once_and_is_never_rerun(attacked_asgi: Server) -> None:
+    server = attacked_asgi
+    before = _effects(server)
+    key = new_key()
+    answer = _post(server, key, "stream")
+    assert answer.status_code == 201 and len(answer.content) == 4 * STREAMED
+    retry = _post(server, key, "stream")
+    assert retry.status_code == 409 and retry.json()["type"].endswith(":response-not-stored")
+    assert _effects(server) == (before[0] + 1, before[1] + 1)
+    _clean_connection(server)
+
+
+def test_a_streamed_response_whose_commit_fails_is_not_a_success(attacked_asgi: Server) -> None:
+    """The commit happens when the response outgrows max_stored_body; a deferred constraint
+    fails it: the client must not get the 201, and nothing may commit."""
+    server = attacked_asgi
+    before = _effects(server)
+    key = new_key()
+    answer = _post(server, key, "stream-deferred")
+    assert not answer.is_success, answer.status_code
+    assert _effects(server) == before
+    _clean_connection(server)
+    _retry_runs_once(server, key, before)
