@@ -43,7 +43,7 @@ from consumerdedup.http import IdempotencyMiddleware, IdempotencyPolicy, RoutePo
 from consumerdedup.http.asgi import SESSION_KEY
 from tests.http import wsgi_server
 from tests.http.asgi_apps import _answer, _read, tables_for
-from tests.http.conftest import Server, ServerKind, new_key, serve
+from tests.http.conftest import Server, ServerKind, new_key, serve, wait_for
 
 LEASE = timedelta(seconds=1)
 STREAMED = 512 * 1024  # four chunks: 2 MiB, over the default max_stored_body
@@ -119,6 +119,8 @@ def _attacks(is_async: bool) -> tuple[Any, Any, Any, Any]:
             pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
             with side.connect() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        if attack == "slow":  # long enough for the client to give up first
+            time.sleep(0.5)
         if attack == "timeout":  # statement_timeout fires; the endpoint swallows it
             session.execute(text("SET LOCAL statement_timeout = '50ms'"))
             with contextlib.suppress(Exception):
@@ -466,3 +468,22 @@ def test_a_streamed_response_whose_commit_fails_is_not_a_success(attacked_asgi: 
     assert _effects(server) == before
     _clean_connection(server)
     _retry_runs_once(server, key, before)
+
+
+def test_a_client_that_gives_up_mid_request_is_charged_once(attacked: Server) -> None:
+    """The client times out while the endpoint runs: the endpoint completes and commits, and
+    the retry (polled while the first is still in flight) gets the stored response."""
+    before = _effects(attacked)
+    key = new_key()
+    headers = {"Idempotency-Key": key, "X-Attack": "slow"}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(attacked.url + "/tx", content=b"{}", headers=headers, timeout=0.1)
+
+    def replayed() -> httpx.Response | None:
+        retry = _post(attacked, key, "slow")
+        return retry if retry.status_code != 409 else None
+
+    retry = wait_for(replayed, 10, "the first request to commit")
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert _effects(attacked) == (before[0] + 1, before[1] + 1)
+    _clean_connection(attacked)
