@@ -27,9 +27,11 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -119,6 +121,9 @@ def _attacks(is_async: bool) -> tuple[Any, Any, Any, Any]:
             pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
             with side.connect() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        if attack == "hang":  # until the test SIGKILLs the server
+            (Path(os.environ["CDD_HTTP_MARKERS"]) / "hanging").touch()
+            time.sleep(30)
         if attack == "slow":  # long enough for the client to give up first
             time.sleep(0.5)
         if attack == "timeout":  # statement_timeout fires; the endpoint swallows it
@@ -486,4 +491,32 @@ def test_a_client_that_gives_up_mid_request_is_charged_once(attacked: Server) ->
     retry = wait_for(replayed, 10, "the first request to commit")
     assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
     assert _effects(attacked) == (before[0] + 1, before[1] + 1)
+    _clean_connection(attacked)
+
+
+def test_a_server_killed_mid_request_leaves_nothing_and_the_retry_runs_once(
+    attacked: Server,
+) -> None:
+    """SIGKILL between the pipelined claim and its COMMIT: no effect and no key survive, so
+    the retry (on a restarted server) runs afresh, with no lease to wait out."""
+    before = _effects(attacked)
+    key = new_key()
+    marker = attacked.markers / "hanging"
+    marker.unlink(missing_ok=True)
+    headers = {"Idempotency-Key": key, "X-Attack": "hang"}
+
+    def send() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(attacked.url + "/tx", content=b"{}", headers=headers, timeout=20)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        wait_for(marker.exists, 10, "the endpoint to write and hang")
+    finally:
+        attacked.kill()
+        sender.join(20)
+        attacked.start()
+    assert _effects(attacked) == before
+    _retry_runs_once(attacked, key, before)
     _clean_connection(attacked)
