@@ -88,6 +88,9 @@ class OutboxRelay(StopSwitch):
         self._broker_trouble = False
         with self.engine.connect() as conn:
             if self.postgres:  # the key locks taken by the claim hold until the marks commit
+                # Before our level would turn the driver's own autocommit off: refused, as
+                # for Outbox.add, not silently mended.
+                dialects.require_transaction(conn, "OutboxRelay", driver=False)
                 # The claim asks again after its locks, in a statement of its own: that needs
                 # a snapshot per statement, whatever level the engine was made with.
                 conn.execution_options(isolation_level="READ COMMITTED")
