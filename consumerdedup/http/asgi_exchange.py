@@ -4,6 +4,9 @@
 claims (in the request's Session when transactional), runs the app with its response
 held back (asgi_held.py), completes or releases, then sends what flow decided. What it
 shares with the WSGI twin, without I/O, lives in exchange.py.
+
+Past 250 lines on purpose: one class whose methods are the operations of flow.py, each
+a few lines of I/O; read beside wsgi_exchange.py, method for method.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ operation's I/O: reads the body (the app gets it again from a fresh ``wsgi.input
 claims (in the request's Session when transactional), runs the app with its whole
 response held back (wsgi_held.py) while a thread renews the lease, completes or
 releases, then returns what flow decided to the server.
+
+Past 250 lines on purpose: one class whose methods are the operations of flow.py, each
+a few lines of I/O; read beside asgi_exchange.py, method for method.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""The relay's SQL: which outbox rows may go now, and what became of them."""
+"""The relay's SQL: which outbox rows may go now, and what became of them.
+
+Just past 250 lines: the claim's statements are built once, together, because each
+re-asks the same conditions (``may_go``); apart they would drift.
+"""
 
 from __future__ import annotations
 
