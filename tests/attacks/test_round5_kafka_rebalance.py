@@ -7,14 +7,19 @@ recorded, nothing lost)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
 from sqlalchemy import func, select
 
 from consumerdedup import AsyncDeduplicator, Message, Outbox, Outcome
-from tests.kafka.test_concurrent_partitions import QUICK_RETRY, Table, fill, runner
+from tests.kafka.test_concurrent_partitions import (
+    QUICK_RETRY,
+    Table,
+    fill,
+    runner,
+    second_joins_mid_run,
+)
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 
 
@@ -34,7 +39,7 @@ def bulk(pg: Any, table: Table) -> Any:
 
     @dedup.bulk_handler
     async def place(messages: list[Message], session: Any) -> None:
-        await asyncio.sleep(0.002)  # work, so that chunks are in flight at the rebalance
+        await asyncio.sleep(0.02)  # work, so that chunks are in flight at the rebalance
         await session.execute(table.insert, [table.values(m) for m in messages])
         for m in messages:  # keys shared across partitions: held back, locked in one order
             await outbox.add(session, "out", m.id.encode(), key=f"k{int(m.id[2:]) % 7}")
@@ -51,22 +56,7 @@ async def test_a_rebalance_with_bulk_handlers_in_flight_loses_and_doubles_nothin
     first, second = (
         runner(kafka, bulk(pg, table), topic, group_id=group, batch_size=20) for _ in range(2)
     )
-    tasks = [asyncio.create_task(first.run())]
-    try:
-        deadline = time.monotonic() + 60
-        while table.count() < 80:
-            assert time.monotonic() < deadline, "the first runner made no progress"
-            assert not tasks[0].done(), tasks[0]
-            await asyncio.sleep(0.02)
-        tasks.append(asyncio.create_task(second.run()))
-        while table.count() < len(ids) or await topics.lag(group, topic):
-            assert time.monotonic() < deadline, f"{table.count()} of {len(ids)} applied"
-            assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
-            await asyncio.sleep(0.05)
-    finally:
-        first.stop()
-        second.stop()
-        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    await second_joins_mid_run(first, second, table, ids, topics, topic, group, after=80)
     table.assert_each_once_in_partition_order(ids)
     ob = pg.tables.outbox
     with pg.engine.connect() as conn:

@@ -165,6 +165,37 @@ async def test_the_partitions_of_a_fetch_are_in_flight_together_each_in_order(
     assert await topics.lag("group-" + topic, topic) == 0
 
 
+async def second_joins_mid_run(
+    first: KafkaConsumerRunner,
+    second: KafkaConsumerRunner,
+    table: Table,
+    ids: list[str],
+    topics: Topics,
+    topic: str,
+    group: str,
+    *,
+    after: int,
+) -> None:
+    """Run ``first``; once it has applied ``after`` rows start ``second`` (a rebalance while
+    chunks are in flight); wait until every id is applied and the group has no lag."""
+    tasks = [asyncio.create_task(first.run())]
+    try:
+        deadline = time.monotonic() + 60
+        while table.count() < after:
+            assert time.monotonic() < deadline, "the first runner made no progress"
+            assert not tasks[0].done(), tasks[0]
+            await asyncio.sleep(0.02)
+        tasks.append(asyncio.create_task(second.run()))
+        while table.count() < len(ids) or await topics.lag(group, topic):
+            assert time.monotonic() < deadline, f"{table.count()} of {len(ids)} applied"
+            assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
+            await asyncio.sleep(0.05)
+    finally:
+        first.stop()
+        second.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+
 async def test_a_rebalance_mid_run_loses_nothing_and_doubles_nothing(
     kafka: KafkaService, topics: Topics, pg: Any, table: Table
 ) -> None:
@@ -180,22 +211,7 @@ async def test_a_rebalance_mid_run_loses_nothing_and_doubles_nothing(
         runner(kafka, handler(pg, table, "blocking", slow), topic, group_id=group, batch_size=20)
         for _ in range(2)
     )
-    tasks = [asyncio.create_task(first.run())]
-    try:
-        deadline = time.monotonic() + 60
-        while table.count() < 100:
-            assert time.monotonic() < deadline, "the first runner made no progress"
-            assert not tasks[0].done(), tasks[0]
-            await asyncio.sleep(0.02)
-        tasks.append(asyncio.create_task(second.run()))
-        while table.count() < len(ids) or await topics.lag(group, topic):
-            assert time.monotonic() < deadline, f"{table.count()} of {len(ids)} applied"
-            await asyncio.sleep(0.05)
-    finally:
-        first.stop()
-        second.stop()
-        await asyncio.wait_for(asyncio.gather(*tasks), 30)
-
+    await second_joins_mid_run(first, second, table, ids, topics, topic, group, after=100)
     table.assert_each_once_in_partition_order(ids)
     assert second.outcomes[Outcome.PROCESSED] > 0, "the second runner never got a partition"
 

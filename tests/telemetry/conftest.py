@@ -43,6 +43,20 @@ class Otel:
         return found
 
 
+def assert_two_hops(otel: Otel, orders: str, billing: str) -> None:
+    """One trace from the request through both hops, printed as the test saw it."""
+    (request_span,) = otel.named("POST /orders")
+    shown = tree(otel.spans(), trace_of=request_span)
+    print("\n" + shown)
+    assert shown.splitlines() == [
+        "POST /orders [INTERNAL]",
+        f"  send {orders} [PRODUCER] links=1",
+        f"    process {orders} [CONSUMER] outcome=processed",
+        f"      send {billing} [PRODUCER] links=1",
+        f"        process {billing} [CONSUMER] outcome=processed",
+    ]
+
+
 @pytest.fixture
 def otel() -> Iterator[Otel]:
     exporter = InMemorySpanExporter()
