@@ -7,12 +7,13 @@ owner reads from the last commit and the dedup table answers the rest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import TopicPartition  # type: ignore[import-untyped]
-from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+from aiokafka.errors import IllegalStateError, KafkaError  # type: ignore[import-untyped]
 
 from consumerdedup.reasons import describe
 
@@ -33,6 +34,23 @@ def seek(consumer: Any, tp: Any, offset: int) -> None:
     """Read ``tp`` again from ``offset``, if it is still assigned."""
     if tp in consumer.assignment():
         consumer.seek(tp, offset)
+
+
+async def read_again(consumer: Any, tp: Any, first: int) -> None:
+    """Records from ``first`` on were fetched but not handled (a rebalance made them stale):
+    put ``tp``, if it is still ours, back at the group's committed offset (all before it is
+    recorded), or at ``first`` when nothing is committed. Read twice is answered DUPLICATE;
+    left behind would be skipped by the next chunk's commit."""
+    if tp not in consumer.assignment():
+        return  # its new owner reads from the committed offset
+    try:
+        committed = await consumer.committed(tp)
+    except KafkaError as exc:  # not answered: ``first`` is known without the broker
+        logger.info("committed offset of %s not read (%s); from %d", tp, describe(exc), first)
+        committed = None
+    # Given away meanwhile (IllegalStateError): its new owner reads from the committed offset.
+    with contextlib.suppress(IllegalStateError):
+        consumer.seek(tp, first if committed is None else committed)
 
 
 async def drained(consumer: Any, topics: Sequence[str]) -> bool:

@@ -171,8 +171,13 @@ class KafkaConsumerRunner(ConsumerRunner):
         async def partition(tp: Any, records: list[Any]) -> None:
             for start in range(0, len(records), size):
                 async with slots:
-                    # Stop asked, or a rebalance made the rest of this fetch stale.
-                    if self.stopping or not self._in_flight.begin(epoch):
+                    if self.stopping:
+                        return  # nothing committed past what is recorded: read again at start
+                    if not self._in_flight.begin(epoch):
+                        # A rebalance made the rest of this fetch stale, but the consumer's
+                        # position moved past it: read it again, or a later chunk's commit
+                        # would skip it.
+                        await acks.read_again(consumer, tp, records[start].offset)
                         return
                     try:
                         chunk = records[start : start + size]
@@ -195,7 +200,11 @@ class KafkaConsumerRunner(ConsumerRunner):
             found, refused = await undecodable.read_alone(
                 consumer, tp, self.config.batch_size, wait, lambda: self.stopping
             )
-            if self.stopping or not self._in_flight.begin(epoch):
+            if self.stopping:
+                return
+            if not self._in_flight.begin(epoch):
+                if found:  # stale, and the position is past it: read it again
+                    await acks.read_again(consumer, tp, found[0].offset)
                 return
             try:
                 if found and not await self._handle(consumer, dead_letters, tp, found):
