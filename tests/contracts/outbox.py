@@ -97,7 +97,9 @@ class RelayToBrokerContract:
         ]
         with running(relays):
             assert relays[0].wait_drained(300)
-        assert all(r.published > 0 for r in relays), [r.published for r in relays]
+        # They shared the outbox: a relay takes a key whole, and with 50 keys one round of one
+        # relay can hold them all, so a third may find nothing free while two take turns.
+        assert sum(r.published > 0 for r in relays) >= 2, [r.published for r in relays]
         # Several relays never publish a row twice while it is in flight (the README), and
         # nothing failed here: every event is at the broker exactly once.
         assert sum(r.published for r in relays) == len(ids)
