@@ -181,18 +181,22 @@ class AsyncDedupHandler:
                 return await session.rollback()
 
     async def _call(self, message: Message, session: AsyncSession) -> None:
+        await self._guarded(self.fn, message, session)
+
+    async def _guarded(self, fn: Any, argument: Any, session: AsyncSession) -> None:
+        """One call of a handler function under the guard (a message, or a bulk's list)."""
         # Our statement has run in this transaction: its connection is there, no await needed.
         call = HandlerCall(session.sync_session, session.sync_session.connection())
         try:
             with handler_code():
-                returned = self.fn(message, session)
-            check_awaitable(self.fn, returned)  # outside handler_code: a setup fault
+                returned = fn(argument, session)
+            check_awaitable(fn, returned)  # outside handler_code: a setup fault
             with handler_code():
                 result = await returned
-            check_awaited(self.fn, result)
+            check_awaited(fn, result)
             if pending_writes(session.sync_session):  # else a flush only costs a greenlet
                 with handler_code():
-                    await session.flush()  # a pending ORM write fails now, charged to it
+                    await session.flush()  # a pending ORM write fails now, charged to this call
         finally:
             call.finish()
         call.verify()
@@ -226,22 +230,7 @@ class AsyncBulkDedupHandler(AsyncDedupHandler):
         return await super()._carry_out(op, session)
 
     async def _call_bulk(self, messages: list[Message], session: AsyncSession) -> None:
-        """``_call``'s guard around the one call of the bulk function."""
-        # The claim has run in this transaction: its connection is there, no await needed.
-        call = HandlerCall(session.sync_session, session.sync_session.connection())
-        try:
-            with handler_code():
-                returned = self.bulk_fn(messages, session)
-            check_awaitable(self.bulk_fn, returned)  # outside handler_code: a setup fault
-            with handler_code():
-                result = await returned
-            check_awaited(self.bulk_fn, result)
-            if pending_writes(session.sync_session):  # else a flush only costs a greenlet
-                with handler_code():
-                    await session.flush()  # a pending ORM write fails now, in the bisected call
-        finally:
-            call.finish()
-        call.verify()
+        await self._guarded(self.bulk_fn, messages, session)
 
 
 async def _one_message(fn: AsyncBulkHandlerFn, message: Message, session: AsyncSession) -> Any:

@@ -179,13 +179,17 @@ class DedupHandler:
                 return session.rollback()
 
     def _call(self, message: Message, session: Session) -> None:
+        self._guarded(self.fn, message, session)
+
+    def _guarded(self, fn: Any, argument: Any, session: Session) -> None:
+        """One call of a handler function under the guard (a message, or a bulk's list)."""
         call = HandlerCall(session, session.connection())
         try:
             with handler_code():
-                returned = self.fn(message, session)
-            check_returned(self.fn, returned)  # outside handler_code: a setup fault
+                returned = fn(argument, session)
+            check_returned(fn, returned)  # outside handler_code: a setup fault
             with handler_code():
-                session.flush()  # a pending ORM write fails now, charged to its own message
+                session.flush()  # a pending ORM write fails now, charged to this call
         finally:
             call.finish()
         call.verify()
@@ -219,17 +223,7 @@ class BulkDedupHandler(DedupHandler):
         return super()._carry_out(op, session)
 
     def _call_bulk(self, messages: list[Message], session: Session) -> None:
-        """``_call``'s guard around the one call of the bulk function."""
-        call = HandlerCall(session, session.connection())
-        try:
-            with handler_code():
-                returned = self.bulk_fn(messages, session)
-            check_returned(self.bulk_fn, returned)  # outside handler_code: a setup fault
-            with handler_code():
-                session.flush()  # a pending ORM write fails now, inside the bisected call
-        finally:
-            call.finish()
-        call.verify()
+        self._guarded(self.bulk_fn, messages, session)
 
 
 def _one_message(fn: BulkHandlerFn, message: Message, session: Session) -> Any:
