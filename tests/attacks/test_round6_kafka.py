@@ -1,0 +1,180 @@
+"""Round 6 on the Kafka runner (real Tansu and PostgreSQL).
+
+- The stale-fetch fix (a3e9241, ``acks.read_again``): a rebalance that hands the same
+  partition back while a ``getmany`` is in flight makes what that getmany returns stale.
+  Before the fix those records were dropped while the consumer's position stayed past
+  them, and the next fetch's offset commit skipped them for good. Made deterministic: the
+  runner waits in a long ``getmany`` on an empty topic; a second member joins the group
+  with a subscription to another topic (so the runner is revoked and given the same
+  partition back); only then are the first records produced, so the getmany in flight
+  returns them after the revocation. Fails 3 of 3 on the code before a3e9241 (the five
+  first records committed past, never applied), passes after.
+- The same with a batch in flight instead (the second partition's chunk of that fetch
+  waits its turn through the revocation): aiokafka's new assignment reads that partition
+  from its committed offset anyway, so it passed before the fix too; kept as the guard
+  of ``read_again``'s other caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from consumerdedup.adapters.kafka import KafkaConsumerRunner
+from tests.kafka.test_runner import Ledger, body
+from tests.support.kafka_service import (  # noqa: F401
+    KafkaService,
+    Topics,
+    kafka_fixture,
+    topics_fixture,
+)
+
+pytestmark = pytest.mark.postgres
+
+LONG_POLL = timedelta(seconds=30)
+"""The runner's getmany wait: the rebalance and the first records come inside one."""
+
+
+@pytest.fixture
+async def ledger(pg: Any) -> Any:
+    made = Ledger(pg)
+    yield made
+    await made.close()
+
+
+async def until(condition: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_rebalance_giving_the_partition_back_during_a_getmany_loses_no_record(
+    kafka: KafkaService, topics: Topics, ledger: Ledger
+) -> None:
+    topic = await topics.create("stale")
+    elsewhere = await topics.create("stale-other")
+    group = "group-" + topic
+    tp = TopicPartition(topic, 0)
+    run = KafkaConsumerRunner(
+        ledger.handle,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id=group,
+        config=kafka.config(poll_timeout=LONG_POLL, retry_delay=timedelta(0)),
+    )
+    task = asyncio.create_task(run.run())
+    other: Any = None
+    try:
+
+        async def assigned() -> bool:
+            assert not task.done(), task
+            return run.consumer is not None and run.consumer.assignment() == {tp}
+
+        await until(assigned, "the runner's first assignment")
+        window = time.monotonic()  # its getmany waits LONG_POLL from about now
+        # Another member of the group, on another topic: the runner is revoked, then
+        # given its partition back, while its getmany waits.
+        other = AIOKafkaConsumer(
+            elsewhere, bootstrap_servers=kafka.bootstrap, group_id=group, **kafka.group_options
+        )
+        await other.start()
+
+        async def rebalanced() -> bool:
+            return bool(other.assignment() == {TopicPartition(elsewhere, 0)})
+
+        await until(rebalanced, "the second member's assignment (the rebalance done)")
+        await until(assigned, "the runner's partition given back")
+        first = [f"a-{i}" for i in range(5)]
+        for eid in first:
+            await topics.produce(topic, body(), event_id=eid)
+        # The premise: the getmany that returns them is the one in flight since before the
+        # revocation, so they are stale.
+        assert time.monotonic() - window < LONG_POLL.total_seconds() - 5, "too slow a rebalance"
+
+        async def read_past_them() -> bool:
+            return run.consumer is not None and await run.consumer.position(tp) >= len(first)
+
+        await until(read_past_them, "the runner to read the first records")
+        later = [f"b-{i}" for i in range(5)]
+        for eid in later:
+            await topics.produce(topic, body(), event_id=eid)
+
+        async def all_committed() -> bool:
+            assert not task.done(), task
+            return (await topics.committed(group, topic))[0] >= len(first) + len(later)
+
+        await until(all_committed, "the group's offset at the end")
+        applied = ledger.applied()
+        assert sorted(applied) == sorted(first + later), (
+            f"committed past records never applied: {sorted(set(first + later) - set(applied))}"
+        )
+    finally:
+        task.cancel()  # idle in a long getmany: a cancel commits nothing more
+        await asyncio.gather(task, return_exceptions=True)
+        if other is not None:
+            await other.stop()
+
+
+async def test_a_rebalance_giving_the_partitions_back_during_a_batch_loses_no_record(
+    kafka: KafkaService, topics: Topics, ledger: Ledger
+) -> None:
+    """The other stale case: a fetch of two partitions, one chunk at a time; the first
+    chunk's handler is still running when the revocation starts (the handler waits for
+    it), so the second partition's fetched records are stale when their turn comes."""
+    topic = await topics.create("stale-batch", partitions=2)
+    elsewhere = await topics.create("stale-batch-other")
+    group = "group-" + topic
+    events = [(f"e-{i}", body(i)) for i in range(12)]
+    await topics.produce_many(topic, events, partitions=2)
+    run = KafkaConsumerRunner(
+        ledger.handle,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id=group,
+        config=kafka.config(
+            poll_timeout=timedelta(milliseconds=200), partitions_in_flight=1, batch_size=50
+        ),
+    )
+    started = asyncio.Event()
+    held: list[str] = []
+
+    async def revocation_started() -> bool:
+        # aiokafka marks the reassignment before it calls the revocation listener, which
+        # waits for this chunk: seen from the handler, the rebalance is under way.
+        return bool(run.consumer._subscription.reassignment_in_progress)
+
+    async def before(message: Any) -> None:
+        if not held:
+            held.append(message.id)
+            started.set()
+            await until(revocation_started, "the revocation", timeout=30)
+
+    ledger.before = before
+    task = asyncio.create_task(run.run())
+    other: Any = None
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        other = AIOKafkaConsumer(
+            elsewhere, bootstrap_servers=kafka.bootstrap, group_id=group, **kafka.group_options
+        )
+        await other.start()
+
+        async def all_committed() -> bool:
+            assert not task.done(), task
+            return sum((await topics.committed(group, topic)).values()) >= len(events)
+
+        await until(all_committed, "the group's offsets at the end")
+        applied = ledger.applied()
+        assert sorted(applied) == sorted(eid for eid, _ in events)
+        assert len(applied) == len(set(applied))
+    finally:
+        run.stop()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
+        if other is not None:
+            await other.stop()
