@@ -48,25 +48,35 @@ class RoundPublisher:
         """
         result = RoundResult()
         held_keys: set[str] = set()
-        position, window_size = 0, self.config.publish_window
-        while position < len(rows) and not result.broker_away:
-            window: list[tuple[Any, Outgoing]] = []
-            while position < len(rows) and len(window) < window_size:
+        done = result.done
+        send = self.sender.publish_window
+        position, total, window_size = 0, len(rows), self.config.publish_window
+        while position < total and not result.broker_away:
+            # Rows and their messages side by side, built in one pass: this loop runs once
+            # per event, so it reads each column once and calls nothing it need not.
+            sent: list[Any] = []
+            messages: list[Outgoing] = []
+            while position < total and len(messages) < window_size:
                 row = rows[position]
                 position += 1
-                if row.key is not None and row.key in held_keys:
+                key = row.key
+                if key is not None and key in held_keys:
                     continue  # an older row of this key failed in this round: keep the order
                 try:
                     # A row written by hand with malformed headers is that row's failure
                     # (and holds its key), never the round's.
-                    message = Outgoing(row.destination, row.body, row.key, headers_of(row))
+                    headers = headers_of(row)
                 except InvalidMessage as exc:
                     self._settle(row, exc, result, held_keys)
                     continue
-                window.append((row, message))
-            outcomes = self.sender.publish_window([message for _, message in window])
-            for (row, _), outcome in zip(window, outcomes, strict=True):
-                self._settle(row, outcome, result, held_keys)
+                messages.append(Outgoing(row.destination, row.body, key, headers))
+                sent.append(row)
+            outcomes = send(messages)
+            for row, outcome in zip(sent, outcomes, strict=True):
+                if outcome is None and not held_keys:
+                    done.append(row.id)  # the common case: confirmed, no key held back
+                else:
+                    self._settle(row, outcome, result, held_keys)
         return result
 
     def _settle(
@@ -126,7 +136,9 @@ class RoundPublisher:
 def headers_of(row: Any) -> dict[str, str]:
     """The row's headers as the publisher takes them; InvalidMessage if the column holds
     anything but a JSON object of strings (Outbox.add writes nothing else)."""
-    headers = row.headers if row.headers is not None else {}
+    headers = row.headers
+    if headers is None:
+        return {}
     if type(headers) is dict:  # the column's JSON, decoded afresh for this row: no copy
         for name, value in headers.items():
             if type(name) is not str or type(value) is not str:
