@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_rabbitmq.py
 	$(BIN)/python bench/bench_kafka.py
 	$(BIN)/python bench/bench_relay.py
+	$(BIN)/python bench/bench_consumer_scale.py
 	$(BIN)/python bench/bench_pruner.py
 	$(BIN)/python bench/bench_http.py
 	$(BIN)/python bench/bench_telemetry.py
