@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, overload
 
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from ..db import before_commit, dialects
 from ..message import Message
@@ -16,6 +16,7 @@ from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .driver_sql import execute_async
+from .guard_listeners import guarded_async_sessionmaker
 from .handler_guard import HandlerCall, pending_writes
 from .handler_kinds import check_awaitable, check_awaited, require_async
 from .ops import (
@@ -69,7 +70,7 @@ class AsyncDeduplicator(OutcomeReporter):
         bound = getattr(session_factory, "kw", {}).get("bind")  # an async_sessionmaker's engine
         if isinstance(bound, AsyncEngine) and bound is not engine:
             dialects.require_transactional(bound.sync_engine, f"{self.what}'s session_factory")
-        self.session_factory = session_factory or async_sessionmaker(engine, expire_on_commit=False)
+        self.session_factory = session_factory or guarded_async_sessionmaker(engine)
 
     @overload
     def handler(self, fn: AsyncHandlerFn, /) -> AsyncDedupHandler: ...

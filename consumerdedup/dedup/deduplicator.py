@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 from sqlalchemy import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from ..db import before_commit, dialects
 from ..message import Message
@@ -16,6 +16,7 @@ from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .driver_sql import execute
+from .guard_listeners import guarded_sessionmaker
 from .handler_guard import HandlerCall
 from .handler_kinds import check_returned, require_blocking
 from .ops import (
@@ -70,7 +71,7 @@ class Deduplicator(OutcomeReporter):
         bound = getattr(session_factory, "kw", {}).get("bind")  # a sessionmaker's own engine
         if isinstance(bound, Engine) and bound is not engine:
             dialects.require_transactional(bound, f"{self.what}'s session_factory")
-        self.session_factory = session_factory or sessionmaker(engine, expire_on_commit=False)
+        self.session_factory = session_factory or guarded_sessionmaker(engine)
 
     @overload
     def handler(self, fn: HandlerFn, /) -> DedupHandler: ...

@@ -19,7 +19,8 @@ its ``rollback()`` (SQLAlchemy's own rollback goes through it) and, on psycopg, 
 COMMIT sent through the raw connection's ``execute()``: caught at the handler's
 next statement or when it returns; what such a commit committed stays committed.
 
-Where the guard sits: nowhere but on what a handler is handed (guard_listeners).
+Where the guard sits: its listeners act only on what a handler is handed; they are
+installed once, on the engine and the session factory's class (guard_listeners).
 SQLAlchemy offers ``handle_error`` only for a whole dialect (every connection of an
 engine), so the error a handler swallowed is taken from the statement's own execution
 context instead (``ExecutionContext.handle_dbapi_exception``, set on that one
@@ -40,7 +41,7 @@ from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
 from ..reasons import describe
 from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle
-from .guard_listeners import CALL, CONNECTION_EVENTS, SESSION_EVENTS, watch
+from .guard_listeners import CALL, watch_connection, watch_session
 from .raw_commit import refuse_raw_commit
 
 _TWO_CONNECTIONS = (
@@ -88,8 +89,8 @@ class HandlerCall:
         self.statement: tuple[str, Any, bool] = ("", None, False)
         """The handler's last statement: its text, parameters and whether executemany."""
         self.second_connection = False
-        watch(session, SESSION_EVENTS)
-        watch(connection, CONNECTION_EVENTS)
+        watch_session(session)
+        watch_connection(connection)
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = connection.info
         session.info[CALL] = self.info[CALL] = self

@@ -206,3 +206,39 @@ def test_a_commit_on_a_session_of_an_engine_made_later_is_refused(db: Database, 
     assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
     assert isinstance(results[1].error, CommitInHandler), results[1].reason
     assert effects(db, ledger) == ["c1", "c3"]
+
+
+@pytest.mark.parametrize("db", ["postgresql"], indirect=True)
+def test_the_deduplicators_own_sessions_outside_a_handler_commit_freely(db: Database) -> None:
+    """The default factory's sessions and its engine copy carry the listeners from the start:
+    another of its sessions, used while a handler runs in another thread, is not guarded."""
+    ledger = create_ledger(db)
+    dedup = Deduplicator(db.engine, "c", tables=db.tables, retry=FAST)
+    inside, release = threading.Event(), threading.Event()
+    outcome: list[Outcome] = []
+
+    @dedup.handler
+    def handle(message: Message, session: Session) -> None:
+        session.execute(text(f"INSERT INTO {ledger} (message_id) VALUES (:m)"), {"m": message.id})
+        if message.json().get("commit"):
+            session.commit()
+        inside.set()
+        assert release.wait(60)
+
+    worker = threading.Thread(target=lambda: outcome.append(handle(order("m1"))))
+    worker.start()
+    try:
+        assert inside.wait(60)
+        with dedup.session_factory() as other:
+            other.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('other')"))
+            other.commit()
+            other.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('other-conn')"))
+            other.connection().commit()
+    finally:
+        release.set()
+        worker.join(60)
+    assert outcome == [Outcome.PROCESSED]
+    assert_engine_untouched(db.engine)
+    refused = handle.process(order("m2", commit=True))  # and the guard holds on the copy
+    assert refused.outcome is Outcome.FAILED and isinstance(refused.error, CommitInHandler)
+    assert sorted(effects(db, ledger)) == ["m1", "other", "other-conn"]
