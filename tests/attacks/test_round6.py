@@ -1,0 +1,134 @@
+"""Round 6: hostile handlers through the public API, on SQLite and the real PostgreSQL.
+
+- A bulk handler that sends ``COMMIT`` as SQL through the raw driver connection
+  (``session.connection().connection.driver_connection.execute("COMMIT")``, or a cursor of
+  it), with half its writes before it: before, the COMMIT reached the server and committed
+  the call's claims as PROCESSED, so every message was reported DUPLICATE at once, its
+  effects never written (psycopg sync and async, aiosqlite; sqlite3's authorizer already
+  denied it). Now refused before it is sent (raw_commit): FAILED, nothing recorded as done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome, Result, RetryPolicy
+from tests.conftest import Database
+
+FAST = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
+
+
+@pytest.fixture
+def ledger(db: Database) -> Database:
+    with db.engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {db.name('ledger')} (mid TEXT)"))
+    return db
+
+
+def effects(db: Database) -> list[str]:
+    with db.engine.connect() as conn:
+        return sorted(r[0] for r in conn.execute(text(f"SELECT mid FROM {db.name('ledger')}")))
+
+
+def recorded(db: Database) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        sql = f"SELECT message_id, outcome FROM {db.name('processed_events')}"
+        return {r[0]: r[1] for r in conn.execute(text(sql))}
+
+
+def assert_nothing_done_without_effects(db: Database, results: list[Result]) -> None:
+    """Invariant 1: PROCESSED or DUPLICATE only with the message's effects committed."""
+    done = effects(db)
+    for result in results:
+        if result.outcome in (Outcome.PROCESSED, Outcome.DUPLICATE):
+            assert result.message.id in done, f"{result.message.id} {result.outcome} w/o effects"
+    for key, outcome in recorded(db).items():
+        if outcome == Outcome.PROCESSED.value:
+            assert key in done, f"{key} recorded PROCESSED without its effects"
+
+
+def run_bulk(
+    kind: str, db: Database, commit: Callable[[Any], Any], messages: list[Message]
+) -> tuple[list[Result], list[Result]]:
+    """A bulk handler writing half its rows, calling ``commit(raw)``, then the other half;
+    the batch twice (the second time as a redelivery)."""
+    insert = text(f"INSERT INTO {db.name('ledger')} VALUES (:m)")
+    if kind == "sync":
+        dedup = Deduplicator(db.engine, "round6", tables=db.tables, retry=FAST)
+
+        @dedup.bulk_handler
+        def place(batch: list[Message], session: Any) -> None:
+            half = max(1, len(batch) // 2)
+            session.execute(insert, [{"m": m.id} for m in batch[:half]])
+            commit(session.connection().connection.driver_connection)
+            if batch[half:]:
+                session.execute(insert, [{"m": m.id} for m in batch[half:]])
+
+        return place.process_batch(messages), place.process_batch(messages)
+
+    async def go() -> tuple[list[Result], list[Result]]:
+        engine = create_async_engine(db.async_url)
+        dedup = AsyncDeduplicator(engine, "round6", tables=db.tables, retry=FAST)
+
+        @dedup.bulk_handler
+        async def place(batch: list[Message], session: Any) -> None:
+            half = max(1, len(batch) // 2)
+            await session.execute(insert, [{"m": m.id} for m in batch[:half]])
+            raw = await (await session.connection()).get_raw_connection()
+            await commit(raw.driver_connection)
+            if batch[half:]:
+                await session.execute(insert, [{"m": m.id} for m in batch[half:]])
+
+        try:
+            return await place.process_batch(messages), await place.process_batch(messages)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def sql_commit(kind: str, route: str, swallow: bool) -> Callable[[Any], Any]:
+    """COMMIT as SQL through the raw connection's execute() or a cursor of it."""
+
+    def sync(raw: Any) -> None:
+        try:
+            (raw.execute if route == "execute" else raw.cursor().execute)("COMMIT")
+        except Exception:
+            if not swallow:
+                raise
+
+    async def asynchronous(raw: Any) -> None:
+        try:
+            if route == "execute":
+                await raw.execute("COMMIT")
+            else:
+                cursor = raw.cursor()
+                if asyncio.iscoroutine(cursor):  # aiosqlite's cursor() is awaited
+                    cursor = await cursor
+                await cursor.execute("COMMIT")
+        except Exception:
+            if not swallow:
+                raise
+
+    return sync if kind == "sync" else asynchronous
+
+
+@pytest.mark.parametrize("swallow", [False, True], ids=["raised", "swallowed"])
+@pytest.mark.parametrize("route", ["execute", "cursor"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_commit_sent_as_sql_through_the_raw_connection_records_nothing_as_done(
+    ledger: Database, kind: str, route: str, swallow: bool
+) -> None:
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(4)]
+    first, again = run_bulk(kind, ledger, sql_commit(kind, route, swallow), messages)
+    assert_nothing_done_without_effects(ledger, first + again)
+    assert [r.outcome for r in first] == [Outcome.FAILED] * 4, [r.reason for r in first]
+    assert effects(ledger) == []
+    assert set(recorded(ledger).values()) <= {Outcome.FAILED.value}
