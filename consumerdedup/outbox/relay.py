@@ -64,7 +64,9 @@ class OutboxRelay(StopSwitch):
         self.sender = Sender(publisher)
         self.tables = tables
         self.config = config or RelayConfig()
-        self.statements = RelayStatements(tables, engine.dialect.name)
+        self.statements = RelayStatements(
+            tables, engine.dialect.name, engine_dialect=engine.dialect
+        )
         self.rounds = RoundPublisher(self.sender, self.statements, self.config)
         self.published = 0
         self._idle = threading.Condition()

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     ARRAY,
     BigInteger,
     Connection,
+    Dialect,
     Text,
     and_,
     any_,
@@ -28,7 +29,7 @@ from sqlalchemy import (
     update,
 )
 
-from ..db import locks
+from ..db import direct, locks
 from ..schema import Tables
 
 WINDOW = 4
@@ -37,8 +38,26 @@ LOCK_TRIES = 3
 """Statements a round may spend taking key locks before it settles for what it has."""
 
 
+class Claimed(NamedTuple):
+    """A row the first pass claimed, as the direct path makes it (a Row elsewhere: the
+    same names)."""
+
+    id: int
+    event_id: str
+    destination: str
+    key: str | None
+    body: bytes
+    headers: Any
+    attempts: int
+    scanned: int
+
+
 class RelayStatements:
-    def __init__(self, tables: Tables, dialect: str) -> None:
+    def __init__(
+        self, tables: Tables, dialect: str, *, engine_dialect: Dialect | None = None
+    ) -> None:
+        """``engine_dialect``: the engine's own, to send the round's statements straight to
+        psycopg (db.direct) where it can; without it they all go through SQLAlchemy."""
         self.table = ob = tables.outbox
         self.postgres = dialect == "postgresql"
         # A key is held back from its oldest row that failed and cannot go now (backing
@@ -163,6 +182,18 @@ class RelayStatements:
             select(ob.c.event_id, ob.c.last_error).where(and_(*live, parked)).order_by(ob.c.id)
         )
 
+        # The statements of every round, straight to psycopg (SQLAlchemy's path otherwise).
+        def built(statement: Any, given: tuple[str, ...], row: Any = None) -> direct.Direct:
+            if engine_dialect is None or not self.postgres:
+                return direct.Direct(statement)
+            return direct.compile_direct(statement, engine_dialect, given, row)
+
+        if self.postgres:
+            self._claim_direct = built(self._claim_locked, ("now", "limit"), Claimed._make)
+            self._blocked_direct = built(self._blocked_now, ("keys", "now"))
+        self._published_direct = built(self._published, ("ids", "now"))
+        self._delete_direct = built(self._delete, ("ids",))
+
     def _in_ids(self) -> Any:
         """``id IN (:ids)``; on PostgreSQL one array parameter, so the statement text (and
         its server-side plan) stays the same whatever the number of ids."""
@@ -193,9 +224,9 @@ class RelayStatements:
         return list(conn.execute(self._rows, params).all())
 
     def _first_pass(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
-        rows = list(conn.execute(self._claim_locked, {"now": now, "limit": limit}).all())
+        rows = direct.rows(conn, self._claim_direct, {"now": now, "limit": limit})
         if keys := sorted({row.key for row in rows if row.key is not None}):
-            blocked = dict(conn.execute(self._blocked_now, {"keys": keys, "now": now}).all())
+            blocked = dict(direct.rows(conn, self._blocked_direct, {"keys": keys, "now": now}))
             rows = [r for r in rows if r.key not in blocked or r.id < blocked[r.key]]
         return rows
 
@@ -229,10 +260,12 @@ class RelayStatements:
     def mark_published(
         self, conn: Connection, ids: Sequence[int], now: datetime, delete_rows: bool
     ) -> None:
-        if ids:
-            conn.execute(
-                self._delete if delete_rows else self._published, {"ids": list(ids), "now": now}
-            )
+        if not ids:
+            return
+        if delete_rows:
+            direct.run(conn, self._delete_direct, {"ids": list(ids)})
+        else:
+            direct.run(conn, self._published_direct, {"ids": list(ids), "now": now})
 
     def mark_failed(
         self,
