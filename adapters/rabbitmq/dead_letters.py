@@ -6,7 +6,9 @@ batch-mates. A refusal for good (over the broker's max_message_size, no access, 
 over the frame size) must not hold the queue, so a copy without the body goes, then a bare
 one (no original header either); if that is refused too the loss is logged at ERROR and the
 FAILED record is kept. A failure that may pass (no DLQ or exchange yet, a nack) leaves the
-delivery to back off and come again.
+delivery to back off and come again. With ``RabbitConfig(declare=True)`` a DLQ or exchange
+found missing (deleted while the runner runs) is declared again at once, not only at the
+next connect: else the FAILED delivery would come back, unsent, until a reconnect.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import pika.exceptions  # type: ignore[import-untyped]
 from consumerdedup.headers import CONSUMER_HEADER, REASON_HEADER, SOURCE_HEADER
 from consumerdedup.reasons import REASON_LIMIT
 
+from . import subscription
 from .config import RabbitConfig
 from .connection import frame_max, header_frame_size
 from .convert import BODY_DROPPED_HEADER, Delivery, dead_letter_properties
-from .errors import PublishFailed, PublishNacked, PublishRefused, Unroutable
+from .errors import ExchangeMissing, PublishFailed, PublishNacked, PublishRefused, Unroutable
 from .publisher import channel_closed
 
 log = logging.getLogger("consumerdedup.rabbitmq")
@@ -57,6 +60,8 @@ class DeadLetters:
                 properties.headers = {**kept, BODY_DROPPED_HEADER: str(refused[0])[:REASON_LIMIT]}
                 body = b""
             error = self._publish(connection, body, properties)
+            if isinstance(error, Unroutable | ExchangeMissing) and self._declare(connection):
+                error = self._publish(connection, body, properties)
             if error is None:
                 if refused:
                     log.error(
@@ -102,6 +107,23 @@ class DeadLetters:
         except pika.exceptions.ChannelClosedByBroker as exc:
             return channel_closed(exc, exchange)
         return None
+
+    def _declare(self, connection: Any) -> bool:
+        """With ``config.declare``: the topology declared again, on a channel of its own (a
+        404 closed the publishing one); True if it was."""
+        if not self.config.declare:
+            return False
+        channel = connection.channel()
+        try:
+            subscription.declare(channel, self.queue, self.config)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            log.error(
+                "cannot declare the dead-letter queue %r again: %s", self.dead_letter_queue, exc
+            )
+            return False
+        log.warning("declared the dead-letter queue %r again: it was gone", self.dead_letter_queue)
+        channel.close()
+        return True
 
     def _log_unsent(self, error: PublishFailed) -> None:
         log.error(

@@ -1,0 +1,81 @@
+"""Round 6 on the RabbitMQ runner (real broker and PostgreSQL).
+
+- The dead-letter queue deleted while the runner runs. Before: with
+  ``RabbitConfig(declare=True)`` the topology was declared only at connect, so every FAILED
+  delivery after the deletion came back unsent, again and again, until a reconnect (its log
+  advising the ``declare=True`` already set). Now the DLQ is declared again at the first
+  unroutable dead letter. Without ``declare`` the delivery stays in the queue, unacked, its
+  FAILED record kept, and the error names the DLQ and the fix; its batch-mates go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pika
+import pytest
+
+from consumerdedup.headers import REASON_HEADER
+from tests.rabbitmq.test_runner import Consumer, body, dead_letters
+from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
+
+pytestmark = pytest.mark.postgres
+
+
+def wait_until(condition: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def letters(rabbit: Broker, queue: str) -> list[tuple[Any, bytes]]:
+    """The dead letters of ``queue``; none while its DLQ does not exist."""
+    try:
+        return dead_letters(rabbit, queue)
+    except pika.exceptions.ChannelClosedByBroker:  # 404: not there (yet)
+        return []
+
+
+def recorded(db: Any) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        sql = f"SELECT message_id, outcome FROM {db.name('processed_events')}"
+        return {r[0]: r[1] for r in conn.exec_driver_sql(sql)}
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["declare", "no-declare"])
+def test_the_dead_letter_queue_deleted_while_running(
+    pg: Any, rabbit: Broker, declare: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = rabbit.queue()
+    consumer = Consumer(pg, rabbit, queue, declare=declare)
+    stop = consumer.start()
+    try:
+        rabbit.publish(queue, body(n=1), "m-1")
+        wait_until(lambda: consumer.applied() == ["m-1"], "m-1 applied")
+        rabbit.channel.queue_delete(queue + ".dlq")
+        with caplog.at_level(logging.WARNING, logger="consumerdedup.rabbitmq"):
+            rabbit.publish(queue, body(refuse="bad"), "m-2")
+            rabbit.publish(queue, body(n=3), "m-3")
+            wait_until(lambda: "m-3" in consumer.applied(), "m-3 applied")
+            if declare:
+                wait_until(lambda: letters(rabbit, queue), "m-2 dead-lettered")
+            else:
+                wait_until(lambda: "cannot dead-letter" in caplog.text, "the error")
+    finally:
+        stop()
+    assert sorted(consumer.applied()) == ["m-1", "m-3"]
+    assert recorded(pg) == {"m-1": "processed", "m-2": "failed", "m-3": "processed"}
+    if declare:
+        [(properties, _)] = letters(rabbit, queue)
+        assert properties.message_id == "m-2"
+        assert "bad" in properties.headers[REASON_HEADER]
+        assert rabbit.held(queue) == 0
+    else:
+        assert rabbit.held(queue) == 1, "m-2 was acked without its dead letter"
+        [properties, _] = rabbit.peek(queue)[0]
+        assert properties.message_id == "m-2"
+        unsent = [r.getMessage() for r in caplog.records if "cannot dead-letter" in r.getMessage()]
+        assert unsent and f"{queue}.dlq" in unsent[0] and "declare=True" in unsent[0]
