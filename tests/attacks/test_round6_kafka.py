@@ -13,6 +13,8 @@
   waits its turn through the revocation): aiokafka's new assignment reads that partition
   from its committed offset anyway, so it passed before the fix too; kept as the guard
   of ``read_again``'s other caller.
+- Hostile ids (NUL, not UTF-8, 256 characters, empty) in the id header and in keys read by
+  ``KafkaConfig.key``, across an async bulk handler: held when written.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from sqlalchemy import text
 
+from consumerdedup import AsyncDeduplicator, Message, Outcome
 from consumerdedup.adapters.kafka import KafkaConsumerRunner
+from consumerdedup.headers import REASON_HEADER
 from tests.kafka.test_runner import Ledger, body
 from tests.support.kafka_service import (  # noqa: F401
     KafkaService,
@@ -178,3 +183,67 @@ async def test_a_rebalance_giving_the_partitions_back_during_a_batch_loses_no_re
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
         if other is not None:
             await other.stop()
+
+
+HOSTILE_IDS: list[tuple[bytes, bool]] = [
+    (b"ok-1", True),
+    (b"nul\x00inside", False),  # PostgreSQL text cannot hold NUL
+    (b"\xff\xfenot-utf-8", False),  # refused, never decoded into a guess
+    (b"x" * 256, False),  # one past MAX_ID_LENGTH
+    ("é".encode() * 255, True),  # 255 characters in 510 bytes: a valid id
+    (b"", False),
+    (b"ok-2", True),
+]
+
+
+async def test_hostile_ids_across_a_bulk_handler_fail_alone_and_nothing_is_skipped(
+    kafka: KafkaService, topics: Topics, pg: Any
+) -> None:
+    """Ids in the id header (and, without one, keys through ``KafkaConfig.key``) that no
+    database can hold, or that are not UTF-8, in one fetch for an async bulk handler: each
+    is FAILED and dead-lettered alone, never handed to the handler; the others applied once;
+    the group's offset at the end."""
+    topic = await topics.create("hostile-ids")
+    for raw_id, _ in HOSTILE_IDS:
+        await topics.produce(topic, body(), event_id=raw_id)
+    keyed = [(b"key\x00nul", False), (b"\xc3\x28", False), (b"key-ok", True)]
+    for key, _ in keyed:
+        await topics.produce(topic, body(), key=key)
+    engine = pg.async_engine()
+    ledger = pg.create_ledger()
+    dedup = AsyncDeduplicator(engine, consumer="hostile", tables=pg.tables)
+    calls: list[list[str]] = []
+    insert = text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)")
+
+    @dedup.bulk_handler
+    async def place(messages: list[Message], session: Any) -> None:
+        calls.append([m.id for m in messages])
+        await session.execute(insert, [{"m": m.id} for m in messages])
+
+    def key(message: Message) -> str | None:
+        return message.raw.key.decode() if message.raw.key is not None else None
+
+    run = KafkaConsumerRunner(
+        place,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id="group-" + topic,
+        config=kafka.config(
+            poll_timeout=timedelta(milliseconds=100), retry_delay=timedelta(0), key=key
+        ),
+    )
+    try:
+        await asyncio.wait_for(run.run(until_idle=True), 60)
+    finally:
+        await engine.dispose()
+    good = [raw.decode() for raw, ok in HOSTILE_IDS if ok] + ["key-ok"]
+    with pg.engine.connect() as conn:
+        applied = sorted(r[0] for r in conn.exec_driver_sql(f"SELECT message_id FROM {ledger}"))
+    assert applied == sorted(good)
+    assert sorted(mid for call in calls for mid in call) == sorted(good), calls
+    bad = len(HOSTILE_IDS) + len(keyed) - len(good)
+    assert run.outcomes == {Outcome.PROCESSED: len(good), Outcome.FAILED: bad}
+    dead = await topics.records(topic + ".dlq")
+    assert len(dead) == bad
+    assert all(REASON_HEADER in dict(r.headers) for r in dead)
+    assert await topics.lag("group-" + topic, topic) == 0

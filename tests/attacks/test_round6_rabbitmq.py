@@ -6,17 +6,23 @@
   advising the ``declare=True`` already set). Now the DLQ is declared again at the first
   unroutable dead letter. Without ``declare`` the delivery stays in the queue, unacked, its
   FAILED record kept, and the error names the DLQ and the fix; its batch-mates go on.
+- Hostile ids (NUL, 256 characters, not UTF-8, empty) in message_id and the id header
+  across a bulk handler: held when written (each FAILED alone, the rest applied, all acked).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
 import pika
 import pytest
+from sqlalchemy import text
 
+from consumerdedup import Deduplicator, Message, Outcome
+from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
 from consumerdedup.headers import REASON_HEADER
 from tests.rabbitmq.test_runner import Consumer, body, dead_letters
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
@@ -79,3 +85,43 @@ def test_the_dead_letter_queue_deleted_while_running(
         assert properties.message_id == "m-2"
         unsent = [r.getMessage() for r in caplog.records if "cannot dead-letter" in r.getMessage()]
         assert unsent and f"{queue}.dlq" in unsent[0] and "declare=True" in unsent[0]
+
+
+def test_hostile_ids_across_a_bulk_handler_fail_alone(pg: Any, rabbit: Broker) -> None:
+    """message_id properties and id headers no database can hold (NUL, 256 characters, not
+    UTF-8, empty) among good ones, in one batch for a bulk handler: each FAILED and
+    dead-lettered alone, never handed to the handler; the rest applied once; all acked."""
+    queue = rabbit.queue()
+    good = ["ok-1", "é" * 255, "ok-2", "from-header"]
+    rabbit.publish(queue, body(n=1), "ok-1")
+    rabbit.publish(queue, body(n=2), "nul\x00inside")
+    rabbit.publish(queue, body(n=3), headers={"event_id": "é" * 255})  # 510 bytes: no shortstr
+    rabbit.publish(queue, body(n=4), headers={"event_id": b"\xff\xfenot-utf-8"})
+    rabbit.publish(queue, body(n=5), headers={"event_id": "y" * 256})
+    rabbit.publish(queue, body(n=6), headers={"event_id": ""})
+    rabbit.publish(queue, body(n=7), "ok-2")
+    rabbit.publish(queue, body(n=8), headers={"event_id": "from-header"})
+    ledger = pg.create_ledger()
+    dedup = Deduplicator(pg.engine, consumer="hostile", tables=pg.tables)
+    calls: list[list[str]] = []
+    insert = text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)")
+
+    @dedup.bulk_handler
+    def place(messages: list[Message], session: Any) -> None:
+        calls.append([m.id for m in messages])
+        session.execute(insert, [{"m": m.id} for m in messages])
+
+    runner = RabbitConsumerRunner(
+        place,
+        queue,
+        url=rabbit.url,
+        config=RabbitConfig(idle_timeout=timedelta(milliseconds=300), batch_size=20),
+    )
+    runner.run(until_idle=True)
+    with pg.engine.connect() as conn:
+        applied = sorted(r[0] for r in conn.exec_driver_sql(f"SELECT message_id FROM {ledger}"))
+    assert applied == sorted(good)
+    assert sorted(mid for call in calls for mid in call) == sorted(good), calls
+    assert runner.outcomes == {Outcome.PROCESSED: len(good), Outcome.FAILED: 4}
+    assert len(letters(rabbit, queue)) == 4
+    assert rabbit.held(queue) == 0
