@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 import pika  # type: ignore[import-untyped]
@@ -18,6 +19,8 @@ from .config import RabbitConfig
 BODY_DROPPED_HEADER = "x-dead-letter-body-dropped"
 """On a dead letter sent without its body, because the broker refused the full copy for
 good: why it refused it."""
+_NO_HEADERS: MappingProxyType[str, str] = MappingProxyType({})
+"""The headers of a delivery without any: one frozen empty table for all of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +69,18 @@ def _converted(delivery: Delivery, queue: str, config: RabbitConfig) -> tuple[Me
     # The message_id property, else the header passed as found (one that is not text, bytes
     # or a number, fails validation); the Message is made once, with its id.
     found_id = props.message_id if props.message_id else raw_headers.get(config.id_header)
+    # Frozen here (a fresh dict, or none at all), so the Message does not copy them again.
+    headers = (
+        MappingProxyType({str(k): _text(v) for k, v in raw_headers.items()})
+        if raw_headers
+        else _NO_HEADERS
+    )
     message = Message(
         id=found_id,
         body=delivery.body,
-        headers={str(k): _text(v) for k, v in raw_headers.items()},
+        headers=headers,
         source=queue,
-        timestamp=_timestamp(props.timestamp),
+        timestamp=_timestamp(props.timestamp) if props.timestamp else None,
         raw=delivery,
     )
     if found_id is not None:

@@ -29,7 +29,8 @@ class RetrySchedule:
 
     def settled(self, message: Message) -> None:
         """``message`` was decided: its next RETRY starts the backoff anew."""
-        self._retries.pop(str(message.id), None)
+        if self._retries:  # nothing remembered (the usual case): nothing to forget
+            self._retries.pop(str(message.id), None)
 
     def delay(self, messages: Iterable[Message]) -> float:
         """The longest wait of ``messages``, each by its RETRYs in a row."""

@@ -1,4 +1,8 @@
-"""The subscription: the queue's topology, and a consuming channel with qos and confirms.
+"""The subscription: the queue's topology, and a consuming channel with qos.
+
+The consuming channel only consumes and settles: dead letters go on a channel of their own
+(dead_letters.py), in confirm mode there, so this one is not put in confirm mode (a round
+trip at every connect, for nothing).
 
 A refusal here (a queue declared with other arguments, no access) is a TopologyError,
 not retried. The broker's cancel (the queue deleted) is reported through ``on_cancel``.
@@ -52,7 +56,6 @@ def subscribe(
         if config.declare:
             declare(channel, queue, config)
         channel.basic_qos(prefetch_count=config.prefetch)
-        channel.confirm_delivery()  # dead letters are confirmed before the original's ack
         channel.add_on_cancel_callback(lambda _frame: on_cancel())
         channel.basic_consume(queue, delivered, auto_ack=False)
     except pika.exceptions.ChannelClosedByBroker as exc:
