@@ -17,7 +17,15 @@ Scenarios, each draining the same number of fresh messages, published beforehand
   (one ``execute`` each, or one ``executemany`` for the bulk handler's twin), then the ack
   (one ``multiple`` ack per 100);
 - the ceiling: plain pika with no database, an ack per message and one per 100;
-- for scale, the same handler's ``process_batch`` on in-memory messages, no broker.
+- for scale, no broker: the same handlers' ``process_batch`` on in-memory messages, and
+  the hand-written transactions on in-memory (id, body) pairs.
+
+Beside each rate, the client's CPU per message (``time.process_time`` of this process: the
+runner and the hand-written loops run in it; the broker and PostgreSQL are other
+processes), in all and inside the transactions (the runner's ``processor.process``, the
+hand-written loop's transaction): what is left is what consuming costs (pika, and the
+runner's own code: converting, batching, acking). CPU is what a loaded machine distorts
+least, and so it splits the runner's own cost from the pipeline's.
 
 Every scenario's clock starts before it opens its connection and stops when its last ack
 is sent and its connection closed. Every message is really processed (fresh ids; the
@@ -63,18 +71,26 @@ RUNNER_100 = "runner, batch_size=100"
 BY_HAND_100 = "plain pika + psycopg, 100 a transaction"
 BULK_100 = "runner, bulk handler, batch_size=100"
 BY_HAND_BULK_100 = "plain pika + psycopg, 100, executemany"
+ALONE_100 = "pipeline alone, 100 a transaction"
+ALONE_BULK_100 = "pipeline alone, bulk handler, 100"
+PSYCOPG_100 = "plain psycopg alone, 100 a transaction"
+PSYCOPG_BULK_100 = "plain psycopg alone, 100, executemany"
 
 
 @dataclass
 class Scenario:
     name: str
     drain: Callable[[str, int], None]  # (queue, count): consume exactly count messages
-    broker: bool = True  # False: the pipeline alone, on messages made in memory
+    broker: bool = True  # False: no broker (the transactions alone, on messages made in memory)
     database: bool = True  # False: nothing is written (business rows are not expected)
     rates: Series = field(default_factory=lambda: Series(""))
+    cpu: Series = field(default_factory=lambda: Series("", "us/msg", higher_is_better=False))
+    in_transactions: Series = field(
+        default_factory=lambda: Series("", "us/msg", higher_is_better=False)
+    )
 
     def __post_init__(self) -> None:
-        self.rates.name = self.name
+        self.rates.name = self.cpu.name = self.in_transactions.name = self.name
 
 
 class Bench:
@@ -90,6 +106,19 @@ class Bench:
         self.channel = self.connection.channel()
         self.queues: list[str] = []
         self.published = 0
+        self.transactions_cpu = 0.0  # CPU seconds inside the transactions, this drain
+
+    def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, its CPU time added to ``transactions_cpu``."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.transactions_cpu += time.process_time() - started
+
+        return call
 
     def setup(self) -> None:
         install(self.engine, self.tables)
@@ -175,60 +204,79 @@ class Bench:
 
         return apply
 
-    def pipeline(self, batch_size: int) -> Callable[[str, int], None]:
+    def pipeline(self, batch_size: int, bulk: bool = False) -> Callable[[str, int], None]:
         """For scale: the same handler and bodies through ``process_batch``, no broker."""
-        apply = self.handler(f"alone-{batch_size}")
+        name = f"alone-{batch_size}-{bulk}"
+        apply = self.bulk_handler(name) if bulk else self.handler(name)
+        process = self.counted(apply.process_batch)
 
         def drain(queue: str, count: int) -> None:
             messages = [Message(id=mid, body=body) for mid, body in self.bodies(count)]
             for start in range(0, count, batch_size):
-                results = apply.process_batch(messages[start : start + batch_size])
+                results = process(messages[start : start + batch_size])
                 bad = [r for r in results if r.outcome is not Outcome.PROCESSED]
                 if bad:
                     raise SystemExit(f"unexpected outcome: {bad[0].outcome} {bad[0].reason}")
 
         return drain
 
+    def transaction(self, consumer: str, bulk: bool) -> Callable[..., None]:
+        """The hand-written transaction over ``(id, body)`` pairs: one claim, then the business
+        rows of the claimed ids with one ``execute`` each, or one ``executemany`` (``bulk``)."""
+        claim = plain_sql.claim_many(self.tables.processed_events.fullname)
+        insert = f"INSERT INTO {self.ledger} (amount, message_id) VALUES (%s, %s)"
+
+        def commit(database: Any, pending: list[tuple[str, bytes]]) -> None:
+            ids = [mid for mid, _ in pending]
+            hashes = plain_sql.hashes(body for _, body in pending)
+            with database.transaction(), database.cursor() as cur:
+                cur.execute(claim, (consumer, ids, hashes))
+                claimed = {row[0] for row in cur.fetchall()}
+                rows = [(json.loads(b)["amount"], mid) for mid, b in pending if mid in claimed]
+                if bulk:
+                    cur.executemany(insert, rows)
+                else:
+                    for row in rows:
+                        cur.execute(insert, row)
+
+        return self.counted(commit)
+
+    def psycopg_alone(self, batch_size: int, bulk: bool = False) -> Callable[[str, int], None]:
+        """For scale: the hand-written transactions on in-memory (id, body) pairs, no broker."""
+        commit = self.transaction(f"psycopg-alone-{batch_size}-{bulk}", bulk)
+
+        def drain(queue: str, count: int) -> None:
+            pairs = self.bodies(count)
+            with psycopg.connect(self.conninfo) as database:
+                for start in range(0, count, batch_size):
+                    commit(database, pairs[start : start + batch_size])
+
+        return drain
+
     def by_hand(self, batch_size: int, bulk: bool = False) -> Callable[[str, int], None]:
         """Plain pika and plain psycopg doing what the runner does, written out by hand: the
         business rows with one ``execute`` each, or one ``executemany`` (``bulk``)."""
-        claim = plain_sql.claim_many(self.tables.processed_events.fullname)
-        insert = f"INSERT INTO {self.ledger} (amount, message_id) VALUES (%s, %s)"
-        consumer = f"by-hand-{batch_size}-{bulk}"
+        commit = self.transaction(f"by-hand-{batch_size}-{bulk}", bulk)
 
         def drain(queue: str, count: int) -> None:
             database = psycopg.connect(self.conninfo)
             connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
             channel = connection.channel()
             channel.basic_qos(prefetch_count=PREFETCH)
-            pending: list[tuple[Any, Any, bytes]] = []
+            pending: list[tuple[str, bytes]] = []  # (message_id, body)
             seen = 0
 
-            def commit_then_ack(ch: Any) -> None:
-                ids = [properties.message_id for _, properties, _ in pending]
-                hashes = plain_sql.hashes(body for _, _, body in pending)
-                with database.transaction(), database.cursor() as cur:
-                    cur.execute(claim, (consumer, ids, hashes))
-                    claimed = {row[0] for row in cur.fetchall()}
-                    rows = [
-                        (json.loads(body)["amount"], properties.message_id)
-                        for _, properties, body in pending
-                        if properties.message_id in claimed
-                    ]
-                    if bulk:
-                        cur.executemany(insert, rows)
-                    else:
-                        for row in rows:
-                            cur.execute(insert, row)
-                ch.basic_ack(pending[-1][0].delivery_tag, multiple=len(pending) > 1)
+            def commit_then_ack(ch: Any, last_tag: int) -> None:
+                commit(database, pending)
+                ch.basic_ack(last_tag, multiple=len(pending) > 1)
                 pending.clear()
 
             def on_message(ch: Any, method: Any, properties: Any, body: bytes) -> None:
                 nonlocal seen
                 seen += 1
-                pending.append((method, properties, body))
+                pending.append((properties.message_id, body))
                 if len(pending) == batch_size or seen == count:
-                    commit_then_ack(ch)
+                    commit_then_ack(ch, method.delivery_tag)
                 if seen == count:
                     ch.stop_consuming()
 
@@ -259,6 +307,7 @@ class Bench:
             runner = RabbitConsumerRunner(
                 apply, queue, url=AMQP_URL, config=config, before_ack=tally
             )
+            runner.processor.process = self.counted(runner.processor.process)
             runner.run()
 
         return drain
@@ -274,7 +323,10 @@ class Bench:
             Scenario("plain pika, ack each, no database", self.plain(1), database=False),
             Scenario("plain pika, ack per 100, no database", self.plain(100), database=False),
             Scenario("pipeline alone, 1 a transaction", self.pipeline(1), broker=False),
-            Scenario("pipeline alone, 100 a transaction", self.pipeline(100), broker=False),
+            Scenario(ALONE_100, self.pipeline(100), broker=False),
+            Scenario(ALONE_BULK_100, self.pipeline(100, bulk=True), broker=False),
+            Scenario(PSYCOPG_100, self.psycopg_alone(100), broker=False),
+            Scenario(PSYCOPG_BULK_100, self.psycopg_alone(100, bulk=True), broker=False),
         ]
         count = self.args.messages
         for round_ in range(-1, self.args.rounds):  # round -1: warm-up, not counted
@@ -283,11 +335,14 @@ class Bench:
                 queue = self.queue() if scenario.broker else ""
                 if scenario.broker:
                     self.fill(queue, n)
-                started = time.perf_counter()
+                self.transactions_cpu = 0.0
+                started, cpu = time.perf_counter(), time.process_time()
                 scenario.drain(queue, n)
-                elapsed = time.perf_counter() - started
+                elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
                 if round_ >= 0:
                     scenario.rates.add(n / elapsed)
+                    scenario.cpu.add(cpu / n * 1e6)
+                    scenario.in_transactions.add(self.transactions_cpu / n * 1e6)
                     if self.args.verbose:
                         print(f"  round {round_ + 1}: {scenario.name}: {n / elapsed:,.0f} msg/s")
                 left = (
@@ -342,6 +397,20 @@ def print_results(scenarios: list[Scenario]) -> None:
             ("100 a transaction, bulk handler", by_name[BULK_100], by_name[BY_HAND_BULK_100]),
         ],
     )
+    print("Client CPU per message (this process; medians, us a message)")
+    width = max(len(s.name) for s in scenarios)
+    print(
+        f"  {'configuration':<{width}}  {'in all':>8}  {'in the transactions':>19}  {'the rest':>8}"
+    )
+    for s in scenarios:
+        whole, inside = s.cpu.median, s.in_transactions.median
+        split = f"{inside:19.1f}  {whole - inside:8.1f}" if inside else f"{'-':>19}  {'-':>8}"
+        print(f"  {s.name:<{width}}  {whole:8.1f}  {split}")
+    print(
+        "  (in the transactions: the runner's processor.process, the hand-written loop's "
+        "transaction; the rest: pika, and the runner's own code)"
+    )
+    print()
 
 
 def main() -> None:
