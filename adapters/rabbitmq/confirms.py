@@ -6,12 +6,16 @@ publish (one round trip, and on a durable queue one fsync, per message). Its und
 channel (``BlockingChannel._impl``, pika.channel.Channel, the asynchronous adapters' own)
 takes an ack/nack callback instead: confirms arrive by delivery tag, one ``multiple`` ack
 confirming many, while the blocking connection's ``process_data_events`` drives the
-socket. ``mandatory`` returns arrive before their message's ack (the broker sends
-Basic.Return first) and are matched to it by ``message_id`` (the event_id, unique).
+socket. The window is published on that channel too: BlockingChannel.basic_publish runs
+the I/O loop once per message to flush it (a poll and a send per frame), the underlying
+one only buffers, and the window goes out in one go (a flush per ``FLUSH_BYTES``).
+``mandatory`` returns arrive before their message's ack (the broker sends Basic.Return
+first) and are matched to it by ``message_id`` (the event_id, unique).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +25,9 @@ import pika.exceptions  # type: ignore[import-untyped]
 
 from .errors import BrokerUnavailable, PublishNacked, Unroutable
 from .outgoing import Prepared
+
+FLUSH_BYTES = 1 << 20
+"""Bytes a window buffers before writing them out (and reading what came back)."""
 
 
 class Unresolved(Exception):
@@ -72,6 +79,8 @@ class ConfirmWindow:
         self._outcomes = [pending] * len(window)
         self._window = window
         self._ids, self._returned = list(ids), set()
+        publish = self.channel._impl.basic_publish  # buffered: no flush per message
+        buffered = self.connection._impl._get_write_buffer_size
         try:
             for index, message in enumerate(window):
                 if isinstance(message, BaseException):
@@ -82,14 +91,16 @@ class ConfirmWindow:
                 exchange, routing_key, body, properties = message
                 self._unconfirmed[self._next_tag] = index
                 self._next_tag += 1
-                self.channel.basic_publish(
-                    exchange, routing_key, body, properties=properties, mandatory=True
-                )
+                publish(exchange, routing_key, body, properties, mandatory=True)
+                if buffered() >= FLUSH_BYTES:
+                    # A big window is written as it goes, not held whole in memory; the
+                    # confirms and returns that came meanwhile are read too.
+                    self.connection.process_data_events(time_limit=0)
             self._wait(
                 lambda: not self._unconfirmed or self.closed is not None,
                 time.monotonic() + self.timeout,
             )
-        except pika.exceptions.ChannelClosed as exc:
+        except (pika.exceptions.ChannelClosed, pika.exceptions.ChannelWrongStateError) as exc:
             self.closed = self.closed or exc
         except (pika.exceptions.AMQPConnectionError, TimeoutError) as exc:
             lost = BrokerUnavailable(f"lost RabbitMQ while waiting for confirms: {exc!r}")
@@ -105,28 +116,30 @@ class ConfirmWindow:
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
-        if method.multiple:
-            tags = [tag for tag in self._unconfirmed if tag <= method.delivery_tag]
+        if method.multiple:  # the dict holds tags in the order they were sent
+            tags = list(itertools.takewhile(method.delivery_tag.__ge__, self._unconfirmed))
         else:
             tags = [method.delivery_tag]
         nacked = isinstance(method, pika.spec.Basic.Nack)
+        outcomes, returned = self._outcomes, self._returned
         for tag in tags:
             index = self._unconfirmed.pop(tag, None)
             if index is None:
                 continue  # a confirm for an earlier window that timed out
+            if not nacked and not (returned and self._ids[index] in returned):
+                outcomes[index] = None
+                continue
             exchange, routing_key = self._window[index][:2]  # type: ignore[index]
             if nacked:
-                self._outcomes[index] = PublishNacked(
+                outcomes[index] = PublishNacked(
                     f"the broker refused a message to exchange {exchange!r}, routing key "
                     f"{routing_key!r} (a full queue with overflow reject-publish, or a "
                     "broker error)"
                 )
-            elif self._ids[index] in self._returned:
-                self._outcomes[index] = Unroutable(
+            else:
+                outcomes[index] = Unroutable(
                     f"no queue is bound for exchange {exchange!r}, routing key {routing_key!r}"
                 )
-            else:
-                self._outcomes[index] = None
         if not self._unconfirmed:
             self._wake()
 

@@ -62,8 +62,22 @@ def check_frame(exchange: str, properties: Any, limit: int) -> None:
         )
 
 
+def surely_fits(properties: Any, limit: int) -> bool:
+    """The header frame of ``properties`` (as ``prepare`` makes them) is certainly within
+    ``limit``, by an upper bound of its size that encodes nothing: a str at most 4 bytes
+    a character; a table entry's name, type and length 6 bytes more; 128 for the frame,
+    the flags, delivery_mode and the message_id's length. False: encode to know."""
+    headers = properties.headers or {}
+    size = 128 + 4 * len(properties.message_id or "")
+    for name, value in headers.items():
+        if type(value) is not str:
+            return False
+        size += 6 + 4 * (len(name) + len(value))
+    return size <= limit
+
+
 def fits(message: Prepared | BaseException, limit: int) -> Prepared | BaseException:
-    if isinstance(message, BaseException):
+    if isinstance(message, BaseException) or surely_fits(message[3], limit):
         return message
     try:
         check_frame(message[0], message[3], limit)

@@ -119,16 +119,18 @@ def test_a_connection_dropped_mid_window_marks_only_what_was_confirmed(
 
     def cut_mid_window() -> Any:
         window = real()
-        publish = window.channel.basic_publish
+        channel = window.channel._impl  # the window publishes there, buffered
+        publish = channel.basic_publish
 
         def basic_publish(*args: Any, **kwargs: Any) -> None:
             nonlocal sent
             sent += 1
-            if sent == 60:  # in the middle of the first window of 100
+            if sent == 60:  # in the middle of the first window of 100, 59 on the wire
+                window.connection.process_data_events(time_limit=0)
                 proxy.cut()
             publish(*args, **kwargs)
 
-        window.channel.basic_publish = basic_publish
+        channel.basic_publish = basic_publish
         return window
 
     publisher._confirm_window = cut_mid_window  # type: ignore[method-assign]
