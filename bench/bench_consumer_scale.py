@@ -313,6 +313,11 @@ class Evidence:
         return seconds / self.window if self.window else 0.0
 
     @property
+    def messages(self) -> float:
+        """Messages committed in the CPU window (its rate times its length)."""
+        return max(self.rate * self.window, 1.0)
+
+    @property
     def other(self) -> float:
         ours = sum(self.clients) + self.backends + self.server + self.broker + self.sampler
         return max(0.0, self.machine - ours)
@@ -346,8 +351,8 @@ class Evidence:
 
 def verdict(ev: dict[str, float]) -> str:
     """The bottleneck the medians point at, with the figures that say so. Niced work of
-    others fills cores ours leave idle and yields them back: cores full of it are not a
-    CPU limit of ours."""
+    others is shown apart: it yields the cores to ours only in part (CFS weights are per
+    thread, and several niced processes add up), so full cores are a CPU limit either way."""
     busy, niced = ev["machine"], ev["niced"]
     base = (
         f"machine {busy:.2f}/{CORES} cores busy (consumers {ev['clients']:.2f}, PostgreSQL "
@@ -355,12 +360,13 @@ def verdict(ev: dict[str, float]) -> str:
         f"{niced:.2f}); the consumers' backends: on CPU {ev['w_cpu']:.0%}, waiting for the "
         f"client {ev['w_client']:.0%}, WAL {ev['w_wal']:.0%}, locks {ev['w_lock']:.0%}"
     )
-    if busy - niced >= 0.85 * CORES:
+    if busy >= 0.85 * CORES:
         parts = {"the consumer processes": ev["clients"], "PostgreSQL": ev["pg"]}
         parts["the broker"] = ev["broker"]
-        parts["other work on the machine"] = ev["other"] - niced
+        parts["other work on the machine"] = ev["other"]
         biggest = max(parts, key=lambda k: parts[k])
-        return f"CPU-bound: both cores busy, the largest share {biggest}: {base}"
+        waiting = "; PostgreSQL mostly waits for the consumers" if ev["w_client"] >= 0.4 else ""
+        return f"CPU-bound: both cores busy, the largest share {biggest}{waiting}: {base}"
     if ev["w_lock"] >= 0.2:
         return f"locks: {base}"
     if ev["w_wal"] >= 0.3:
@@ -680,6 +686,9 @@ def summary(evidence: list[Evidence]) -> dict[str, float]:
         "machine": med([e.cores(e.machine) for e in evidence]),
         "niced": med([e.cores(min(e.niced, e.other)) for e in evidence]),
         "ours": med([e.cores(e.machine - e.other - e.sampler) for e in evidence]),
+        "us_clients": med([1e6 * sum(e.clients) / e.messages for e in evidence]),
+        "us_pg": med([1e6 * (e.backends + e.server) / e.messages for e in evidence]),
+        "us_broker": med([1e6 * e.broker / e.messages for e in evidence]),
         "clients": med([e.cores(sum(e.clients)) for e in evidence]),
         "per_client": med([e.cores(max(e.clients)) for e in evidence]),
         "pg": med([e.cores(e.backends + e.server) for e in evidence]),
@@ -743,6 +752,12 @@ def run(args: argparse.Namespace, bench: Bench) -> None:
                 f"after {s['join']:.2f} s; {fmt(s['tx_per_s'])} transactions/s, "
                 f"{fmt(s['wal_per_s'])} WAL flushes/s (server); the busiest consumer "
                 f"{s['per_client']:.2f} cores"
+            )
+            per = s["us_clients"] + s["us_pg"] + s["us_broker"]
+            print(
+                f"      CPU per message: consumers {s['us_clients']:.0f} us + PostgreSQL "
+                f"{s['us_pg']:.0f} us + broker {s['us_broker']:.0f} us = {per:.0f} us: "
+                f"{CORES} idle cores would carry at most {fmt(CORES * 1e6 / per)} msg/s"
             )
             print(f"      {verdict(s)}")
         print()
