@@ -95,17 +95,23 @@ def in_flight_limit(engine: Any, wanted: int) -> int:
 async def all_of(work: Sequence[Awaitable[None]]) -> None:
     """Await every one of ``work`` concurrently. The first to raise cancels the others
     (their transactions roll back, their offsets stay uncommitted) and its error is
-    raised as it is, not in an ExceptionGroup."""
+    raised as it is, not in an ExceptionGroup. One that ends cancelled by itself (a
+    handler's CancelledError) counts as raising CancelledError: ``asyncio.wait`` would
+    count it as done, and its partition's next chunk would commit past its records."""
     if len(work) == 1:
         await work[0]
         return
     tasks = [asyncio.ensure_future(w) for w in work]
+    first: asyncio.Future[None] | None = None
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        pending: set[asyncio.Future[None]] = set(tasks)
+        while pending and first is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            first = next((t for t in done if t.cancelled() or t.exception() is not None), None)
     finally:  # an error in one, or this coroutine cancelled
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    for task in tasks:
-        if not task.cancelled() and (error := task.exception()) is not None:
-            raise error
+    if first is not None:
+        error = None if first.cancelled() else first.exception()
+        raise error or asyncio.CancelledError(f"a partition's chunk was cancelled: {first!r}")

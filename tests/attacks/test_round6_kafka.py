@@ -247,3 +247,101 @@ async def test_hostile_ids_across_a_bulk_handler_fail_alone_and_nothing_is_skipp
     assert len(dead) == bad
     assert all(REASON_HEADER in dict(r.headers) for r in dead)
     assert await topics.lag("group-" + topic, topic) == 0
+
+
+@pytest.mark.parametrize(
+    "error", [SystemExit(3), KeyboardInterrupt(), asyncio.CancelledError()], ids=type
+)
+async def test_a_base_exception_mid_bulk_call_commits_nothing_and_no_offset(
+    kafka: KafkaService, topics: Topics, pg: Any, error: BaseException
+) -> None:
+    """Raised by an async bulk handler after half its writes: it leaves run() as it is,
+    nothing of the chunk is recorded or applied, no offset is committed."""
+    topic = await topics.create("base-exc")
+    for n in range(6):
+        await topics.produce(topic, body(n), event_id=f"m-{n}")
+    engine = pg.async_engine()
+    ledger = pg.create_ledger()
+    dedup = AsyncDeduplicator(engine, consumer="base", tables=pg.tables)
+    insert = text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)")
+
+    @dedup.bulk_handler
+    async def place(messages: list[Message], session: Any) -> None:
+        await session.execute(insert, [{"m": m.id} for m in messages[: len(messages) // 2 or 1]])
+        raise error
+
+    run = KafkaConsumerRunner(
+        place,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id="group-" + topic,
+        config=kafka.config(poll_timeout=timedelta(milliseconds=100)),
+    )
+    raised: BaseException | None = None
+    try:
+        await run.run()  # not in a task of its own: SystemExit would leave the event loop
+    except BaseException as exc:  # caught here, before the event loop sees it
+        raised = exc
+    finally:
+        await engine.dispose()
+    assert type(raised) is type(error), raised
+    with pg.engine.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT count(*) FROM {ledger}").scalar() == 0
+        pe = pg.name("processed_events")
+        assert conn.exec_driver_sql(f"SELECT count(*) FROM {pe}").scalar() == 0
+    assert await topics.committed("group-" + topic, topic) == {0: 0}
+
+
+async def test_a_cancelled_error_from_a_handler_with_partitions_in_flight_skips_nothing(
+    kafka: KafkaService, topics: Topics, pg: Any
+) -> None:
+    """Partitions in flight together run as tasks (``all_of``); a handler's CancelledError
+    ended its task as *cancelled*, which ``asyncio.wait(FIRST_EXCEPTION)`` does not count:
+    the fetch was taken as handled, the runner went on, and the partition's next chunk
+    committed its offset past the records never applied. Now it leaves run() as it is."""
+    topic = await topics.create("cancel-inflight", partitions=2)
+    events = [(f"e-{i}", body(i)) for i in range(8)]
+    await topics.produce_many(topic, events, partitions=2)
+    engine = pg.async_engine()
+    ledger = pg.create_ledger()
+    dedup = AsyncDeduplicator(engine, consumer="cancel", tables=pg.tables)
+    insert = text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)")
+    raised: list[str] = []
+
+    @dedup.bulk_handler
+    async def place(messages: list[Message], session: Any) -> None:
+        await session.execute(insert, [{"m": m.id} for m in messages])
+        if messages[0].partition == 0 and not raised:
+            raised.append(messages[0].id)
+            raise asyncio.CancelledError  # a library's own cancellation, leaking out
+
+    group = "group-" + topic
+    run = KafkaConsumerRunner(
+        place,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id=group,
+        config=kafka.config(poll_timeout=timedelta(milliseconds=100), partitions_in_flight=2),
+    )
+    task = asyncio.create_task(run.run())
+    try:
+        deadline = time.monotonic() + 30
+        while not raised:
+            assert time.monotonic() < deadline and not task.done(), task
+            await asyncio.sleep(0.02)
+        later = [(f"later-{i}", body(i)) for i in range(2)]
+        for eid, value in later:
+            await topics.produce(topic, value, event_id=eid, partition=0)
+        while not task.done() and (await topics.committed(group, topic))[0] < 6:
+            assert time.monotonic() < deadline, "the runner neither stopped nor moved on"
+            await asyncio.sleep(0.05)
+        with pg.engine.connect() as conn:
+            applied = {r[0] for r in conn.exec_driver_sql(f"SELECT message_id FROM {ledger}")}
+        committed = await topics.committed(group, topic)
+        skipped = sorted({eid for eid, _ in events[::2]} - applied) if committed[0] else []
+        assert task.done() and task.cancelled(), f"swallowed; committed past {skipped}"
+        assert committed[0] == 0 and not applied & {eid for eid, _ in events[::2]}
+    finally:
+        run.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.dispose()
