@@ -8,10 +8,13 @@
   FAILED record kept, and the error names the DLQ and the fix; its batch-mates go on.
 - Hostile ids (NUL, 256 characters, not UTF-8, empty) in message_id and the id header
   across a bulk handler: held when written (each FAILED alone, the rest applied, all acked).
+- SystemExit, KeyboardInterrupt, CancelledError from a bulk handler mid-batch, blocking or
+  async: held (raised out of run(), nothing recorded, nothing acked).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import timedelta
@@ -21,7 +24,7 @@ import pika
 import pytest
 from sqlalchemy import text
 
-from consumerdedup import Deduplicator, Message, Outcome
+from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
 from consumerdedup.headers import REASON_HEADER
 from tests.rabbitmq.test_runner import Consumer, body, dead_letters
@@ -125,3 +128,51 @@ def test_hostile_ids_across_a_bulk_handler_fail_alone(pg: Any, rabbit: Broker) -
     assert runner.outcomes == {Outcome.PROCESSED: len(good), Outcome.FAILED: 4}
     assert len(letters(rabbit, queue)) == 4
     assert rabbit.held(queue) == 0
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize(
+    "error", [SystemExit(3), KeyboardInterrupt(), asyncio.CancelledError()], ids=type
+)
+def test_a_base_exception_mid_bulk_call_commits_and_acks_nothing(
+    pg: Any, rabbit: Broker, error: BaseException, kind: str
+) -> None:
+    """Raised by a bulk handler after half its writes (blocking, or async on the runner's
+    own event loop): it leaves run() as it is, nothing of the batch is recorded or
+    applied, every message stays with the broker."""
+    queue = rabbit.queue()
+    for n in range(6):
+        rabbit.publish(queue, body(n=n), f"m-{n}")
+    ledger = pg.create_ledger()
+    insert = text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)")
+    engine = pg.async_engine()
+
+    def half(messages: list[Message]) -> list[dict[str, str]]:
+        return [{"m": m.id} for m in messages[: len(messages) // 2 or 1]]
+
+    if kind == "sync":
+
+        @Deduplicator(pg.engine, consumer="base", tables=pg.tables).bulk_handler
+        def place(messages: list[Message], session: Any) -> None:
+            session.execute(insert, half(messages))
+            raise error
+
+        handler: Any = place
+    else:
+
+        @AsyncDeduplicator(engine, consumer="base", tables=pg.tables).bulk_handler
+        async def place_async(messages: list[Message], session: Any) -> None:
+            await session.execute(insert, half(messages))
+            raise error
+
+        handler = place_async
+    runner = RabbitConsumerRunner(
+        handler, queue, url=rabbit.url, config=RabbitConfig(prefetch=6, batch_size=6)
+    )
+    with pytest.raises(type(error)):
+        runner.run()
+    asyncio.run(engine.dispose())
+    with pg.engine.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT count(*) FROM {ledger}").scalar() == 0
+    assert recorded(pg) == {}
+    assert rabbit.held(queue) == 6
