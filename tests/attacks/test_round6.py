@@ -6,17 +6,22 @@
   the call's claims as PROCESSED, so every message was reported DUPLICATE at once, its
   effects never written (psycopg sync and async, aiosqlite; sqlite3's authorizer already
   denied it). Now refused before it is sent (raw_commit): FAILED, nothing recorded as done.
+- A handler that never returns: nothing in the pipeline bounds it, its claim's row lock
+  holds its twins; PostgreSQL's ``idle_in_transaction_session_timeout`` does (documented
+  in docs/consumers.md), and the message is then applied once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome, Result, RetryPolicy
@@ -132,3 +137,52 @@ def test_a_commit_sent_as_sql_through_the_raw_connection_records_nothing_as_done
     assert [r.outcome for r in first] == [Outcome.FAILED] * 4, [r.reason for r in first]
     assert effects(ledger) == []
     assert set(recorded(ledger).values()) <= {Outcome.FAILED.value}
+
+
+def test_a_handler_that_never_returns_is_bounded_only_by_the_database(
+    pg: Database,
+) -> None:
+    """Nothing in the pipeline times a handler out: while it runs, its claim's row lock
+    holds every twin of its key (another runner the broker gave the message to) at the
+    claim. What bounds it is PostgreSQL's ``idle_in_transaction_session_timeout`` on the
+    handler's engine: the server ends the stuck session, the twin's claim goes through
+    and applies the message once; when the stuck handler returns at last, its COMMIT
+    fails (transient) and its retry answers DUPLICATE. Effects: once."""
+    with pg.engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {pg.name('ledger')} (mid TEXT)"))
+    insert = text(f"INSERT INTO {pg.name('ledger')} VALUES (:m)")
+    bounded = create_engine(
+        pg.url, connect_args={"options": "-c idle_in_transaction_session_timeout=1000"}
+    )
+    release, entered = threading.Event(), threading.Event()
+    stuck_dedup = Deduplicator(bounded, "round6", tables=pg.tables, retry=FAST)
+    twin_dedup = Deduplicator(pg.engine, "round6", tables=pg.tables, retry=FAST)
+
+    @stuck_dedup.handler
+    def stuck(message: Message, session: Any) -> None:
+        session.execute(insert, {"m": "stuck"})
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)  # never returns, as far as the twin can tell
+
+    @twin_dedup.handler
+    def twin(message: Message, session: Any) -> None:
+        session.execute(insert, {"m": "twin"})
+
+    message = Message(id="k-1", body=b"{}")
+    outcomes: list[Outcome] = []
+    worker = threading.Thread(target=lambda: outcomes.append(stuck(message)))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        started = time.monotonic()
+        assert twin(message) is Outcome.PROCESSED  # waits on the claim until the server acts
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+        worker.join(60)
+        bounded.dispose()
+    assert 0.5 < waited < 30, f"the twin waited {waited:.1f} s"
+    assert outcomes == [Outcome.DUPLICATE]
+    assert effects(pg) == ["twin"]
+    assert recorded(pg) == {"k-1": Outcome.PROCESSED.value}
