@@ -9,6 +9,9 @@
 - A handler that never returns: nothing in the pipeline bounds it, its claim's row lock
   holds its twins; PostgreSQL's ``idle_in_transaction_session_timeout`` does (documented
   in docs/consumers.md), and the message is then applied once.
+- A bulk handler that empties, shortens, reorders or extends its list: held (its own copy).
+- A COMMIT through libpq itself (``pgconn.exec_``): still breaks invariant 1 (xfail, strict);
+  the fix belongs to the guard (see the test's reason).
 """
 
 from __future__ import annotations
@@ -186,3 +189,75 @@ def test_a_handler_that_never_returns_is_bounded_only_by_the_database(
     assert outcomes == [Outcome.DUPLICATE]
     assert effects(pg) == ["twin"]
     assert recorded(pg) == {"k-1": Outcome.PROCESSED.value}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("mutate", ["clear", "pop", "reverse", "replace", "append"])
+def test_a_bulk_handler_mutating_its_list_changes_nothing_of_the_outcomes(
+    ledger: Database, kind: str, mutate: str
+) -> None:
+    """The list a bulk handler gets is its own: emptied, shortened, reordered, one replaced
+    by a stranger or one added after the writes, the pipeline still decides the messages it
+    handed over (each PROCESSED with its row), and a redelivery is DUPLICATE."""
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(4)]
+
+    def change(batch: list[Message]) -> None:
+        stranger = Message(id="stranger", body=b"{}")
+        {
+            "clear": batch.clear,
+            "pop": lambda: batch.pop(0),
+            "reverse": batch.reverse,
+            "replace": lambda: batch.__setitem__(0, stranger),
+            "append": lambda: batch.append(stranger),
+        }[mutate]()
+
+    insert = text(f"INSERT INTO {ledger.name('ledger')} VALUES (:m)")
+    if kind == "sync":
+        dedup = Deduplicator(ledger.engine, "round6", tables=ledger.tables, retry=FAST)
+
+        @dedup.bulk_handler
+        def place(batch: list[Message], session: Any) -> None:
+            session.execute(insert, [{"m": m.id} for m in batch])
+            change(batch)
+
+        first, again = place.process_batch(messages), place.process_batch(messages)
+    else:
+
+        async def go() -> tuple[list[Result], list[Result]]:
+            engine = create_async_engine(ledger.async_url)
+            dedup = AsyncDeduplicator(engine, "round6", tables=ledger.tables, retry=FAST)
+
+            @dedup.bulk_handler
+            async def place(batch: list[Message], session: Any) -> None:
+                await session.execute(insert, [{"m": m.id} for m in batch])
+                change(batch)
+
+            try:
+                return await place.process_batch(messages), await place.process_batch(messages)
+            finally:
+                await engine.dispose()
+
+        first, again = asyncio.run(go())
+    assert [(r.message.id, r.outcome) for r in first] == [
+        (m.id, Outcome.PROCESSED) for m in messages
+    ]
+    assert [r.outcome for r in again] == [Outcome.DUPLICATE] * 4
+    assert effects(ledger) == [m.id for m in messages]
+    assert recorded(ledger) == {m.id: Outcome.PROCESSED.value for m in messages}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="libpq's own exec_ is not guarded: its COMMIT commits the call's claims as "
+    "PROCESSED; the guard sees the ended transaction only afterwards (handler_guard)",
+)
+def test_a_commit_through_libpq_itself_records_nothing_as_done(pg: Database) -> None:
+    with pg.engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {pg.name('ledger')} (mid TEXT)"))
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(4)]
+
+    def libpq_commit(raw: Any) -> None:
+        raw.pgconn.exec_(b"COMMIT")
+
+    first, again = run_bulk("sync", pg, libpq_commit, messages)
+    assert_nothing_done_without_effects(pg, first + again)
