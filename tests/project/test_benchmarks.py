@@ -23,6 +23,7 @@ EXPECTED = {
     "bench_kafka.py": "Like with like",
     "bench_relay.py": "Relay / plain",
     "bench_relay_scale.py": "Relays / one relay",
+    "bench_consumer_scale.py": "speed-up (ratio of medians, same run)",
     "bench_pruner.py": "Pruner / plain psycopg",
     "bench_http.py": "Through the middleware / without it",
     "bench_telemetry.py": "Telemetry / none",
