@@ -7,6 +7,7 @@ owner reads from the last commit and the dedup table answers the rest.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
@@ -15,19 +16,39 @@ from typing import Any
 from aiokafka import TopicPartition  # type: ignore[import-untyped]
 from aiokafka.errors import IllegalStateError, KafkaError  # type: ignore[import-untyped]
 
+from consumerdedup import ConfigurationError
 from consumerdedup.reasons import describe
 
 logger = logging.getLogger("consumerdedup.kafka")
 
 
+COMMIT_CHECK = 5.0
+"""Seconds an offset commit may take before the runner asks whether its topic still exists:
+aiokafka retries a retriable refusal (UnknownTopicOrPartition for a deleted topic) forever."""
+
+
 async def commit(consumer: Any, tp: Any, offset: int) -> bool:
-    """Commit ``tp`` at ``offset``; False (logged) if the broker did not take it."""
+    """Commit ``tp`` at ``offset``; False (logged) if the broker did not take it.
+
+    Raises ConfigurationError if the topic was deleted meanwhile: the commit would be
+    retried forever, and ``stop()`` never heard."""
+    attempt = asyncio.ensure_future(consumer.commit({tp: offset}))
     try:
-        await consumer.commit({tp: offset})
+        while not (await asyncio.wait({attempt}, timeout=COMMIT_CHECK))[0]:
+            if tp.topic not in await consumer.topics():
+                raise ConfigurationError(
+                    f"the topic {tp.topic!r} no longer exists (deleted while the runner ran?): "
+                    f"its offset {offset} cannot be committed; what is recorded is not acked and "
+                    "will be answered DUPLICATE. Create the topic again (or stop consuming it), "
+                    "then restart the runner"
+                )
+        attempt.result()
         return True
     except KafkaError as exc:
         logger.warning("offset commit of %s at %d failed: %s", tp, offset, describe(exc))
         return False
+    finally:
+        attempt.cancel()  # still retrying (the topic gone, or this coroutine cancelled)
 
 
 def seek(consumer: Any, tp: Any, offset: int) -> None:

@@ -28,7 +28,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from sqlalchemy import text
 
-from consumerdedup import AsyncDeduplicator, Message, Outcome
+from consumerdedup import AsyncDeduplicator, ConfigurationError, Message, Outcome
 from consumerdedup.adapters.kafka import KafkaConsumerRunner
 from consumerdedup.headers import REASON_HEADER
 from tests.kafka.test_runner import Ledger, body
@@ -345,3 +345,52 @@ async def test_a_cancelled_error_from_a_handler_with_partitions_in_flight_skips_
         run.stop()
         await asyncio.gather(task, return_exceptions=True)
         await engine.dispose()
+
+
+async def test_the_source_topic_deleted_while_running_stops_the_runner_or_loses_nothing(
+    kafka: KafkaService, topics: Topics, ledger: Ledger
+) -> None:
+    """The consumed topic deleted under a running runner, then records produced to its name.
+    Before: on Tansu the runner read m-3, recorded it, and its offset commit was refused
+    (UnknownTopicOrPartition), which aiokafka retries forever: run() never returned, stop()
+    went unheard, nothing was said. Now either the records are applied and committed (a
+    broker that re-creates the topic and drops its offsets, as Kafka does) or run() stops
+    with a ConfigurationError naming the topic and the fix; nothing is acked uncommitted.
+    (Tansu keeps the group's committed offset across the deletion, so its re-created
+    topic's first record, m-2, is never read: a broker fault no consumer can see.)"""
+    topic = await topics.create("gone")
+    group = "group-" + topic
+    run = KafkaConsumerRunner(
+        ledger.handle,
+        topic,
+        bootstrap_servers=kafka.bootstrap,
+        group_id=group,
+        config=kafka.config(poll_timeout=timedelta(milliseconds=100)),
+    )
+    task = asyncio.create_task(run.run())
+    try:
+        await topics.produce(topic, body(1), event_id="m-1")
+
+        async def first_applied() -> bool:
+            assert not task.done(), task
+            return ledger.applied() == ["m-1"]
+
+        await until(first_applied, "m-1 applied")
+        admin, _, _ = await topics._clients()
+        await admin.delete_topics([topic])
+        for n in (2, 3):  # Tansu keeps the group's offset (1): m-2 is skipped there, m-3 read
+            await topics.produce(topic, body(n), event_id=f"m-{n}")
+
+        async def decided() -> bool:
+            if task.done():
+                return True
+            return {"m-2", "m-3"} <= set(ledger.applied()) and await topics.lag(group, topic) == 0
+
+        await until(decided, "the runner to stop, or the records to be applied and committed", 60)
+        if task.done():
+            error = task.exception()
+            assert isinstance(error, ConfigurationError), error
+            assert topic in str(error) and "Create the topic again" in str(error)
+    finally:
+        run.stop()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
