@@ -10,8 +10,9 @@
   holds its twins; PostgreSQL's ``idle_in_transaction_session_timeout`` does (documented
   in docs/consumers.md), and the message is then applied once.
 - A bulk handler that empties, shortens, reorders or extends its list: held (its own copy).
-- A COMMIT through libpq itself (``pgconn.exec_``): still breaks invariant 1 (xfail, strict);
-  the fix belongs to the guard (see the test's reason).
+- A COMMIT through libpq itself (``pgconn.exec_``) or a cursor class made directly
+  (``psycopg.Cursor(raw)``): still breaks invariant 1 (xfail, strict); the fix belongs to
+  the guard (see the test's reason).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -246,18 +248,26 @@ def test_a_bulk_handler_mutating_its_list_changes_nothing_of_the_outcomes(
     assert recorded(ledger) == {m.id: Outcome.PROCESSED.value for m in messages}
 
 
+def _libpq_commit(raw: Any) -> None:
+    raw.pgconn.exec_(b"COMMIT")
+
+
+def _own_cursor_commit(raw: Any) -> None:
+    psycopg.Cursor(raw).execute("COMMIT")  # a cursor made without the connection's factory
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="libpq's own exec_ is not guarded: its COMMIT commits the call's claims as "
-    "PROCESSED; the guard sees the ended transaction only afterwards (handler_guard)",
+    reason="below the connection's cursor_factory (libpq's exec_, a cursor class made "
+    "directly) a COMMIT is not refused: it commits the call's claims as PROCESSED; the "
+    "guard sees the ended transaction only afterwards (handler_guard)",
 )
-def test_a_commit_through_libpq_itself_records_nothing_as_done(pg: Database) -> None:
+@pytest.mark.parametrize("commit", [_libpq_commit, _own_cursor_commit], ids=["libpq", "cursor"])
+def test_a_commit_below_the_guarded_cursors_records_nothing_as_done(
+    pg: Database, commit: Callable[[Any], None]
+) -> None:
     with pg.engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {pg.name('ledger')} (mid TEXT)"))
     messages = [Message(id=f"m{i}", body=b"{}") for i in range(4)]
-
-    def libpq_commit(raw: Any) -> None:
-        raw.pgconn.exec_(b"COMMIT")
-
-    first, again = run_bulk("sync", pg, libpq_commit, messages)
+    first, again = run_bulk("sync", pg, commit, messages)
     assert_nothing_done_without_effects(pg, first + again)
