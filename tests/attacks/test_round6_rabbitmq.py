@@ -176,3 +176,36 @@ def test_a_base_exception_mid_bulk_call_commits_and_acks_nothing(
         assert conn.exec_driver_sql(f"SELECT count(*) FROM {ledger}").scalar() == 0
     assert recorded(pg) == {}
     assert rabbit.held(queue) == 6
+
+
+def test_the_dead_letter_exchange_deleted_while_running_is_declared_again(
+    pg: Any, rabbit: Broker
+) -> None:
+    """The same with a dead-letter exchange: the broker closes the publishing channel (404);
+    with ``declare=True`` the exchange (and its binding) is declared again and m-2 goes."""
+    queue, exchange = rabbit.name(), rabbit.name("dlx")
+    consumer = Consumer(pg, rabbit, queue, declare=True, dead_letter_exchange=exchange)
+    stop = consumer.start()
+    try:
+        wait_until(lambda: letters(rabbit, queue) == [] and _exists(rabbit, queue), "declared")
+        rabbit.publish(queue, body(n=1), "m-1")
+        wait_until(lambda: consumer.applied() == ["m-1"], "m-1 applied")
+        rabbit.channel.exchange_delete(exchange)
+        rabbit.publish(queue, body(refuse="bad"), "m-2")
+        rabbit.publish(queue, body(n=3), "m-3")
+        wait_until(lambda: "m-3" in consumer.applied(), "m-3 applied")
+        wait_until(lambda: letters(rabbit, queue), "m-2 dead-lettered")
+    finally:
+        stop()
+    [(properties, _)] = letters(rabbit, queue)
+    assert properties.message_id == "m-2"
+    assert rabbit.held(queue) == 0
+    assert consumer.runner.reconnects == 0
+
+
+def _exists(rabbit: Broker, queue: str) -> bool:
+    try:
+        rabbit.channel.queue_declare(queue, passive=True)
+        return True
+    except pika.exceptions.ChannelClosedByBroker:
+        return False
