@@ -165,10 +165,10 @@ def timed_steps(handler: Any, steps: collections.Counter[str]) -> Iterator[None]
     """Add each driver step's process time to ``steps`` while the block runs."""
 
     def timing(name: Callable[[Any], str], fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.process_time()
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 steps[name(args)] += time.process_time() - started
 

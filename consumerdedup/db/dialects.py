@@ -71,7 +71,7 @@ def require_transactional(engine: Engine, what: str, *, driver: bool = True) -> 
     # On SQLite our BEGIN IMMEDIATE makes the transaction real even in autocommit mode
     # (db.sqlite); require_transaction verifies that on each connection.
     if level == _AUTOCOMMIT and engine.dialect.name != "sqlite":
-        raise ConfigurationError(_autocommit_message(what))
+        raise ConfigurationError(autocommit_message(what))
 
 
 def require_transaction(conn: Connection, what: str, *, driver: bool = True) -> None:
@@ -88,7 +88,7 @@ def require_transaction(conn: Connection, what: str, *, driver: bool = True) -> 
     driver_connection = conn.connection.driver_connection
     autocommits = level == _AUTOCOMMIT or _driver_autocommits(driver_connection)
     if autocommits and not in_driver_transaction(driver_connection):
-        raise ConfigurationError(_autocommit_message(what))
+        raise ConfigurationError(autocommit_message(what))
 
 
 def require_readable(conn: Connection, what: str) -> None:
@@ -130,7 +130,7 @@ def _driver_autocommits(driver_connection: Any) -> bool:
     return getattr(driver_connection, "isolation_level", "") is None
 
 
-def _autocommit_message(what: str) -> str:
+def autocommit_message(what: str) -> str:
     return (
         f"{what}: the engine or connection is in AUTOCOMMIT mode, so every statement would "
         "commit on its own (the dedup record, the handler's writes and the outbox rows could "

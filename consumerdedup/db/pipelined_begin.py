@@ -21,14 +21,16 @@ claim (http/sql_pipeline.py) and the pipeline's claim (dedup/driver_sql.py).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
 
 from ..errors import ConfigurationError
+from . import dialects
 
 try:
     import psycopg
@@ -36,16 +38,39 @@ except ImportError:  # pragma: no cover - PostgreSQL is an extra
     psycopg = None  # type: ignore[assignment]
 
 _LEVELS = frozenset({"READ COMMITTED", "READ UNCOMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
+_AS_CHECKED_OUT = "consumerdedup.driver_autocommit"
+"""In a connection's ``info``: whether its driver was in autocommit when it was checked out
+(before execution options applied), noted by ``note_autocommit`` on engines we own."""
+_noting: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def take(session: Session, what: str) -> tuple[Connection, str] | None:
+def note_autocommit(engine: Engine) -> None:
+    """On an engine of ours (a deduplicator's engine copy): note at each checkout whether the
+    driver itself is in autocommit (``connect_args={"autocommit": True}``), which taking the
+    connection in autocommit would hide; ``take(..., own=True)`` needs it."""
+    if engine not in _noting:
+        event.listen(engine, "engine_connect", _note)
+        _noting.add(engine)
+
+
+def _note(conn: Connection) -> None:
+    raw = conn.connection.driver_connection
+    conn.info[_AS_CHECKED_OUT] = getattr(raw, "autocommit", None)
+
+
+def take(session: Session, what: str, own: bool = False) -> tuple[Connection, str] | None:
     """The session's connection in autocommit, and the BEGIN that opens its transaction,
     if this Session can take the pipelined path (a fresh Session on a psycopg Engine whose
-    libpq has pipeline mode); else None, and nothing is done."""
+    libpq has pipeline mode); else None, and nothing is done. ``own``: only on an engine
+    that notes its drivers' autocommit (note_autocommit), and a connection whose driver
+    was in autocommit already is refused (ConfigurationError) and discarded: the pool
+    would give it back out of autocommit, to the application's code."""
     if psycopg is None or session.in_transaction() or not psycopg.Pipeline.is_supported():
         return None
     bind = session.get_bind()
     if not isinstance(bind, Engine) or bind.dialect.driver != "psycopg":
+        return None
+    if own and bind not in _noting:
         return None
     # In autocommit psycopg forgets the level the engine asked for (create_engine's or
     # execution_options' isolation_level): our BEGIN must name it, or a SERIALIZABLE
@@ -57,6 +82,10 @@ def take(session: Session, what: str) -> tuple[Connection, str] | None:
     raw = conn.connection.driver_connection
     if not isinstance(raw, psycopg.BaseConnection):
         return None  # a creator= wrapper: dialects.require_driver refuses it next
+    if own and conn.info.get(_AS_CHECKED_OUT) is not False:
+        error = ConfigurationError(dialects.autocommit_message(what))
+        conn.invalidate(error)
+        raise error
     # create_engine's level: the dialect reads it at the first connect, which is done now.
     level = _level(asked or getattr(bind.dialect, "default_isolation_level", None))
     if level not in _LEVELS:

@@ -15,7 +15,7 @@ from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
-from .driver_sql import execute_async
+from .driver_sql import execute_async, sent_first
 from .guard_listeners import guarded_async_sessionmaker
 from .handler_guard import HandlerCall, pending_writes
 from .handler_kinds import check_awaitable, check_awaited, require_async
@@ -33,7 +33,7 @@ from .ops import (
 from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
-from .transaction_start import begin_checked
+from .transaction_start import begin_checked, release_async
 
 AsyncHandlerFn = Callable[[Message, AsyncSession], Awaitable[Any]]
 AsyncBulkHandlerFn = Callable[[list[Message], AsyncSession], Awaitable[Any]]
@@ -149,6 +149,7 @@ class AsyncDedupHandler:
                 return await self._drive(self._pipeline.attempt(batch), session)
             finally:  # a reused session (scoped_session) must not hold writes back later
                 before_commit.discard(session)
+                await release_async(session.sync_session)
 
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
         reply: Any = None
@@ -163,7 +164,7 @@ class AsyncDedupHandler:
             try:
                 if begin:  # however the session was made; a failure here is the first op's
                     begin = False
-                    await session.run_sync(begin_checked, self.dedup.what)
+                    await session.run_sync(begin_checked, self.dedup.what, sent_first(op))
                 reply = await self._carry_out(op, session)
             except Exception as exc:
                 error = exc
@@ -179,6 +180,7 @@ class AsyncDedupHandler:
                 return await session.commit()
             case Rollback():
                 before_commit.discard(session)
+                await release_async(session.sync_session)
                 return await session.rollback()
 
     async def _call(self, message: Message, session: AsyncSession) -> None:

@@ -15,7 +15,7 @@ from ..message import Message
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
-from .driver_sql import execute
+from .driver_sql import execute, sent_first
 from .guard_listeners import guarded_sessionmaker
 from .handler_guard import HandlerCall
 from .handler_kinds import check_returned, require_blocking
@@ -33,7 +33,7 @@ from .ops import (
 from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
-from .transaction_start import begin_checked
+from .transaction_start import begin_checked, release
 
 HandlerFn = Callable[[Message, Session], Any]
 BulkHandlerFn = Callable[[list[Message], Session], Any]
@@ -147,6 +147,7 @@ class DedupHandler:
                 return self._drive(self._pipeline.attempt(batch), session)
             finally:  # a reused session (scoped_session) must not hold writes back later
                 before_commit.discard(session)
+                release(session)
 
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
         reply: Any = None
@@ -161,7 +162,7 @@ class DedupHandler:
             try:
                 if begin:  # however the session was made; a failure here is the first op's
                     begin = False
-                    begin_checked(session, self.dedup.what)
+                    begin_checked(session, self.dedup.what, pipelined=sent_first(op))
                 reply = self._carry_out(op, session)
             except Exception as exc:
                 error = exc
@@ -177,6 +178,7 @@ class DedupHandler:
                 return session.commit()
             case Rollback():
                 before_commit.discard(session)
+                release(session)
                 return session.rollback()
 
     def _call(self, message: Message, session: Session) -> None:

@@ -7,12 +7,12 @@ claim). So the claim, the lookup and the records go to the driver connection
 the session's transaction already holds, as text built once (``DriverSQL``).
 Everything else (the handler's statements, COMMIT, ROLLBACK) stays SQLAlchemy's.
 
-Not done: BEGIN and the claim in one round trip. psycopg's pipeline mode sends
-its BEGIN with a Sync of its own and waits for it (``_start_query``), and the
-claim's rows then need a second Sync: three round trips where plain execution
-takes two (seen in a libpq trace). Sending BEGIN ourselves would mean driving
-libpq under psycopg's feet; so a message costs four round trips (BEGIN, claim,
-the handler's statement, COMMIT), as plain psycopg sending the same SQL does.
+The transaction's first statement (the claim, or check-first's lookup) goes out with
+its BEGIN in one pipeline (db/pipelined_begin.py, set up by transaction_start): a
+message costs three round trips (BEGIN and the claim, the handler's statement,
+COMMIT), as the handler's statement alone does. The connection is then in
+autocommit, so a statement of ours finding the transaction over (IDLE) would commit
+alone: refused (TransactionBroken), whoever ended it.
 
 A driver error comes out as SQLAlchemy would raise it (``DBAPIError.instance``:
 the same class, ``orig`` and ``connection_invalidated``), and a lost connection
@@ -31,13 +31,31 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from ..db import pipelined_begin
+from ..errors import TransactionBroken
+from .ops import Execute, Op
+from .transaction_start import PENDING_BEGIN
 
-def _cursor(raw: Any) -> Any:
-    """A cursor giving plain tuples, whatever row_factory the application set. (psycopg is
-    imported here, not above: it is an extra, and SQLite never comes this way.)"""
+
+def _tuple_row() -> Any:
+    """Plain tuples, whatever row_factory the application set. (psycopg is imported here,
+    not above: it is an extra, and SQLite never comes this way.)"""
     from psycopg.rows import tuple_row
 
-    return raw.cursor(row_factory=tuple_row)
+    return tuple_row
+
+
+_ENDED = (
+    "the transaction ended before a statement of the pipeline's (in autocommit it would "
+    "commit alone): nothing of it is sent"
+)
+
+
+def _open(raw: Any) -> None:
+    """Fail closed: in autocommit (the pipelined BEGIN) an IDLE connection has no
+    transaction for our statement."""
+    if raw.autocommit and int(raw.info.transaction_status) == 0:
+        raise TransactionBroken(_ENDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +70,28 @@ class DriverSQL:
         object.__setattr__(self, "query", self.text.encode())
 
 
+def sent_first(op: Op) -> bool:
+    """The attempt's first operation is a statement of ours sent here (its BEGIN may go
+    with it: transaction_start); anything else begins the plain way."""
+    return isinstance(op, Execute) and isinstance(op.statement, DriverSQL)
+
+
 def execute(session: Session, statement: Any, params: Any) -> Any:
     """Run one of our statements in the session's transaction; its rows (or Result)."""
     if not isinstance(statement, DriverSQL):
         return session.execute(statement, params)
     connection = session.connection()
     raw: Any = connection.connection.driver_connection
-    cursor = _cursor(raw)
+    begin = session.info.pop(PENDING_BEGIN, None)
+    if begin is not None:
+        try:
+            return pipelined_begin.first_statement(
+                connection, begin, statement.query, params, _tuple_row()
+            )
+        except connection.dialect.loaded_dbapi.Error as exc:
+            raise _translated(connection, statement, params, exc, None) from exc
+    _open(raw)
+    cursor = raw.cursor(row_factory=_tuple_row())
     try:
         cursor.execute(statement.query, params)
         return cursor.fetchall()
@@ -75,7 +108,16 @@ async def execute_async(session: AsyncSession, statement: Any, params: Any) -> A
     # The transaction's connection exists already (begin_checked ran): no I/O, no await.
     connection = session.sync_session.connection()
     raw: Any = connection.connection.driver_connection
-    cursor = _cursor(raw)
+    begin = session.sync_session.info.pop(PENDING_BEGIN, None)
+    if begin is not None:
+        try:
+            return await pipelined_begin.first_statement_async(
+                connection, begin, statement.query, params, _tuple_row()
+            )
+        except connection.dialect.loaded_dbapi.Error as exc:
+            raise _translated(connection, statement, params, exc, None) from exc
+    _open(raw)
+    cursor = raw.cursor(row_factory=_tuple_row())
     try:
         await cursor.execute(statement.query, params)
         return await cursor.fetchall()
@@ -90,7 +132,11 @@ def _translated(
 ) -> sa_exc.StatementError:
     """``error`` as SQLAlchemy raises a driver error; a lost connection is invalidated."""
     dialect = connection.dialect
-    lost = dialect.is_disconnect(error, connection.connection.dbapi_connection, cursor)  # type: ignore[arg-type]
+    lost = connection.invalidated or dialect.is_disconnect(
+        error,  # type: ignore[arg-type]
+        connection.connection.dbapi_connection,
+        cursor,
+    )
     if lost and not connection.invalidated:
         connection.invalidate(error)
     return sa_exc.DBAPIError.instance(

@@ -28,6 +28,8 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
+from ..db import pipelined_begin
+
 CALL = "consumerdedup.handler_call"
 """In ``session.info`` and the connection's ``info``: the HandlerCall running on it."""
 _watched: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -91,6 +93,7 @@ def guarded_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     gets none."""
     copy = engine.execution_options()
     _listen_once(copy, CONNECTION_EVENTS)
+    pipelined_begin.note_autocommit(copy)
     return sessionmaker(copy, class_=PipelineSession, expire_on_commit=False)
 
 
@@ -98,6 +101,7 @@ def guarded_async_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncS
     """``guarded_sessionmaker`` for an AsyncEngine."""
     copy = engine.execution_options()
     _listen_once(copy.sync_engine, CONNECTION_EVENTS)
+    pipelined_begin.note_autocommit(copy.sync_engine)
     return async_sessionmaker(copy, sync_session_class=PipelineSession, expire_on_commit=False)
 
 

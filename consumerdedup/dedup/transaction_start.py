@@ -1,5 +1,11 @@
 """What must hold before the pipeline's first statement in a session: a real transaction,
-the session's own, on a supported driver; shared by both deduplicators."""
+the session's own, on a supported driver; shared by both deduplicators.
+
+On psycopg the transaction's BEGIN goes out with our first statement, in one round
+trip (db/pipelined_begin.py): ``begin_checked`` takes the connection in autocommit and
+leaves the BEGIN in ``session.info`` for driver_sql to send; the drivers call
+``release`` before the session lets the connection go.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from ..db import dialects, sqlite
+from ..db import dialects, pipelined_begin, sqlite
 from ..errors import AuthenticationFailed, ConfigurationError
 from ..reasons import authentication_refused, describe
 
@@ -19,12 +25,17 @@ _MAY_PASS = (
     ConfigurationError,
 )
 """What beginning a transaction may raise for reasons that pass: the retry policy's to judge."""
+PENDING_BEGIN = "consumerdedup.pending_begin"
+"""In ``session.info``: the BEGIN driver_sql sends with our first statement."""
+AUTOCOMMIT_CONNECTION = "consumerdedup.autocommit_connection"
+"""In ``session.info``: the connection taken in autocommit for that (``release``)."""
 
 
-def begin_checked(session: Session, what: str) -> None:
+def begin_checked(session: Session, what: str, pipelined: bool = False) -> None:
     """Before our first statement, on the connection the session really uses: a real
     transaction (BEGIN IMMEDIATE on SQLite), on a supported driver, not in autocommit,
-    and the session's own (its commit is the database's)."""
+    and the session's own (its commit is the database's). ``pipelined``: the first
+    statement is one of ours driver_sql sends, so on psycopg the BEGIN may go with it."""
     if session.twophase:  # PREPARE TRANSACTION at our COMMIT: a crash there holds the claims
         raise ConfigurationError(
             f"{what}: the session factory gives two-phase sessions (twophase=True); our "
@@ -40,7 +51,8 @@ def begin_checked(session: Session, what: str) -> None:
             "sessions bound to an engine, or to a connection not in a transaction"
         )
     try:
-        connection = session.connection()
+        taken = pipelined_begin.take(session, what, own=True) if pipelined else None
+        connection = session.connection() if taken is None else taken[0]
     except sa_exc.DBAPIError as exc:
         if authentication_refused(exc):  # retrying cannot fix a refused login: stop
             raise AuthenticationFailed(f"{what}: {describe(exc)}") from exc
@@ -53,5 +65,27 @@ def begin_checked(session: Session, what: str) -> None:
             f"({describe(exc)}): this is its setup, not any message's fault"
         ) from exc
     dialects.require_readable(connection, what)
+    if taken is not None:  # in a transaction of its own once driver_sql sent the BEGIN
+        session.info[AUTOCOMMIT_CONNECTION] = connection
+        session.info[PENDING_BEGIN] = taken[1]
+        return
     sqlite.begin_immediate(connection)
     dialects.require_transaction(connection, what)
+
+
+def release(session: Session) -> None:
+    """Before the session lets the connection go (a rollback, the attempt's end): a
+    transaction SQLAlchemy counts as over but the driver not (a handler's refused
+    ``connection.commit()``) is rolled back on the driver (db.pipelined_begin)."""
+    session.info.pop(PENDING_BEGIN, None)
+    connection = session.info.pop(AUTOCOMMIT_CONNECTION, None)
+    if connection is not None:
+        pipelined_begin.roll_back_held(session, connection)
+
+
+async def release_async(session: Session) -> None:
+    """``release`` for an AsyncSession's sync_session."""
+    session.info.pop(PENDING_BEGIN, None)
+    connection = session.info.pop(AUTOCOMMIT_CONNECTION, None)
+    if connection is not None:
+        await pipelined_begin.roll_back_held_async(session, connection)
