@@ -24,8 +24,12 @@ KeyFunction = Callable[[Message], str | None]
 class RabbitConfig:
     """Consumer settings, validated at construction; durations are ``timedelta``."""
 
-    prefetch: int = 100
-    """``basic_qos`` prefetch_count: deliveries the broker hands out ahead of the acks."""
+    prefetch: int = 200
+    """``basic_qos`` prefetch_count: deliveries the broker hands out ahead of the acks. Twice
+    ``batch_size`` by default: with no more than a batch in flight, the next batch only
+    starts arriving once this one is acked, and batches come in short (measured: prefetch 100
+    at batch 100 made 120-143 transactions of 9,000 messages, many of 1-40, against 90-94
+    at prefetch 200, and about half the rate)."""
     batch_size: int = 100
     """Messages per database transaction at most (and at most ``prefetch``): what has arrived,
     up to this many, runs as one batch; a lone message does not wait for company."""
