@@ -10,11 +10,12 @@ Python to publish 500 rows to MemoryBroker).
 A ``Direct`` is the statement compiled once by the connection's dialect (the same text
 SQLAlchemy sends, casts included), its own bound constants, and a row maker. ``rows`` and
 ``run`` take SQLAlchemy's path instead whenever the direct one would change what anybody
-sees: a connection with event listeners (before_cursor_execute hooks, tracing), a DB-API
-connection that is not psycopg's own (a proxy from ``creator=``), or a statement whose
-parameters or columns need SQLAlchemy's processing. A driver error comes out as SQLAlchemy
-would raise it (``DBAPIError.instance``), and a lost connection is invalidated as
-SQLAlchemy would, so retry rules and the pool see nothing different.
+sees: a connection with event listeners (before_cursor_execute hooks, tracing), a
+``schema_translate_map``, a DB-API connection that is not psycopg's own (a proxy from
+``creator=``), or a statement whose parameters or columns need SQLAlchemy's processing.
+A driver error comes out as SQLAlchemy would raise it (``DBAPIError.instance``), and a
+lost connection is invalidated as SQLAlchemy would, so retry rules and the pool see
+nothing different.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def _driver(conn: Connection, direct: Direct) -> Any:
         return None
     if getattr(conn.engine, "_has_events", True):  # listeners on the engine: theirs too
         return None
+    if conn.get_execution_options().get("schema_translate_map"):
+        return None  # rendered per execution by SQLAlchemy: the text built once lacks it
     raw = conn.connection.driver_connection
     from psycopg import Connection as Psycopg  # an extra: imported only on this path
 
