@@ -227,7 +227,8 @@ class RelayStatements:
         rows = direct.rows(conn, self._claim_direct, {"now": now, "limit": limit})
         if keys := sorted({row.key for row in rows if row.key is not None}):
             blocked = dict(direct.rows(conn, self._blocked_direct, {"keys": keys, "now": now}))
-            rows = [r for r in rows if r.key not in blocked or r.id < blocked[r.key]]
+            if blocked:  # rare: another relay failed a row of these keys since the scan
+                rows = [r for r in rows if r.key not in blocked or r.id < blocked[r.key]]
         return rows
 
     def _lock_keys_for(
