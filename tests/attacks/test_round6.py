@@ -6,6 +6,8 @@
   the call's claims as PROCESSED, so every message was reported DUPLICATE at once, its
   effects never written (psycopg sync and async, aiosqlite; sqlite3's authorizer already
   denied it). Now refused before it is sent (raw_commit): FAILED, nothing recorded as done.
+  The same from a per-message handler: before, claim-first answered a batch-mate DUPLICATE
+  without its row, check-first applied two batch-mates twice (m0, m0, m1, m1, m2).
 - A handler that never returns: nothing in the pipeline bounds it, its claim's row lock
   holds its twins; PostgreSQL's ``idle_in_transaction_session_timeout`` does (documented
   in docs/consumers.md), and the message is then applied once.
@@ -271,3 +273,28 @@ def test_a_commit_below_the_guarded_cursors_records_nothing_as_done(
     messages = [Message(id=f"m{i}", body=b"{}") for i in range(4)]
     first, again = run_bulk("sync", pg, commit, messages)
     assert_nothing_done_without_effects(pg, first + again)
+
+
+@pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
+def test_a_commit_as_sql_from_a_message_handler_commits_nothing_of_its_batch(
+    ledger: Database, claim_first: bool
+) -> None:
+    """The per-message twin of the bulk attack: the second handler of a batch of three sends
+    COMMIT through the raw connection after its write. Before: claim-first, the claims of
+    all three committed (the third answered DUPLICATE without its row); check-first, the
+    first two's rows committed without their records (made again by the retry). Now it
+    fails alone, its batch-mates processed once."""
+    insert = text(f"INSERT INTO {ledger.name('ledger')} VALUES (:m)")
+    dedup = Deduplicator(ledger.engine, "round6", tables=ledger.tables, retry=FAST)
+
+    @dedup.handler(claim_first=claim_first)
+    def place(message: Message, session: Any) -> None:
+        session.execute(insert, {"m": message.id})
+        if message.id == "m1":
+            session.connection().connection.driver_connection.execute("COMMIT")
+
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(3)]
+    first, again = place.process_batch(messages), place.process_batch(messages)
+    assert_nothing_done_without_effects(ledger, first + again)
+    assert [r.outcome for r in first] == [Outcome.PROCESSED, Outcome.FAILED, Outcome.PROCESSED]
+    assert effects(ledger) == ["m0", "m2"]
