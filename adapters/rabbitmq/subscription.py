@@ -59,7 +59,9 @@ def subscribe(
         channel.add_on_cancel_callback(lambda _frame: on_cancel())
         channel.basic_consume(queue, delivered, auto_ack=False)
     except pika.exceptions.ChannelClosedByBroker as exc:
-        raise TopologyError(f"cannot consume {queue!r}: {exc.reply_text}") from exc
+        missing = exc.reply_code == 404 and not config.declare
+        fix = "; declare it, or set RabbitConfig(declare=True)" if missing else ""
+        raise TopologyError(f"cannot consume {queue!r}: {exc.reply_text}{fix}") from exc
     return channel
 
 

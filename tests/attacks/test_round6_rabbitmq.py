@@ -6,6 +6,8 @@
   advising the ``declare=True`` already set). Now the DLQ is declared again at the first
   unroutable dead letter. Without ``declare`` the delivery stays in the queue, unacked, its
   FAILED record kept, and the error names the DLQ and the fix; its batch-mates go on.
+- The consumed queue deleted (no ``declare``): the TopologyError named the queue but not the
+  way out; now it says to declare it or set ``declare=True``.
 - Hostile ids (NUL, 256 characters, not UTF-8, empty) in message_id and the id header
   across a bulk handler: held when written (each FAILED alone, the rest applied, all acked).
 - SystemExit, KeyboardInterrupt, CancelledError from a bulk handler mid-batch, blocking or
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -25,7 +28,7 @@ import pytest
 from sqlalchemy import text
 
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome
-from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
+from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner, TopologyError
 from consumerdedup.headers import REASON_HEADER
 from tests.rabbitmq.test_runner import Consumer, body, dead_letters
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
@@ -209,3 +212,32 @@ def _exists(rabbit: Broker, queue: str) -> bool:
         return True
     except pika.exceptions.ChannelClosedByBroker:
         return False
+
+
+def test_the_consumed_queue_deleted_while_running_names_the_queue_and_the_fix(
+    pg: Any, rabbit: Broker
+) -> None:
+    """Without ``declare`` the runner cannot consume again after the broker's cancel: its
+    TopologyError names the queue and says how to get it back; the message already applied
+    stays applied once."""
+    queue = rabbit.queue()
+    consumer = Consumer(pg, rabbit, queue)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.runner.run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    rabbit.publish(queue, body(n=1), "m-1")
+    wait_until(lambda: consumer.applied() == ["m-1"], "m-1 applied")
+    rabbit.channel.queue_delete(queue)
+    thread.join(30)
+    assert not thread.is_alive()
+    [error] = errors
+    assert isinstance(error, TopologyError)
+    assert repr(queue) in str(error) and "RabbitConfig(declare=True)" in str(error), error
+    assert consumer.applied() == ["m-1"]
