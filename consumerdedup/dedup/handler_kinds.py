@@ -74,6 +74,8 @@ def require_async(fn: Any) -> None:
 
 def check_returned(fn: Any, returned: Any) -> None:
     """After a blocking call: HandlerNotRun if it returned something that has not run yet."""
+    if returned is None:  # what nearly every handler returns: nothing to look into
+        return
     if inspect.isgenerator(returned) or inspect.iscoroutine(returned):
         returned.close()
     if (

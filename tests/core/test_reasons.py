@@ -119,6 +119,9 @@ def test_a_secret_in_a_value_position_never_shows_and_the_names_do(
         assume(not secret.strip().lstrip("+-").isdigit())
         if case == "invalid-date":
             assume(not any(c.isdigit() for c in secret))
+            # PostgreSQL's special date inputs ('infinity', 'epoch', 'today', ...) are dates
+            special = {"infinity", "-infinity", "+infinity", "epoch", "today", "tomorrow"}
+            assume(secret.strip().lower() not in special | {"yesterday", "now", "allballs"})
     baseline = reason("zz-baseline")
     got = reason(secret)
     assert_hidden(secret, got, baseline=baseline)

@@ -329,7 +329,8 @@ def test_concurrent_consumers_ack_each_message_exactly_once() -> None:
     assert not any(thread.is_alive() for thread in threads)
     counts = Counter(mid for per_worker in acked for mid in per_worker)
     assert len(counts) == total and set(counts.values()) == {1}
-    assert all(per_worker for per_worker in acked), "every consumer got a share"
+    # Concurrency, not fairness: a loaded machine may starve one thread of the four.
+    assert sum(1 for per_worker in acked if per_worker) >= 2, "consumers took turns"
     for per_worker in acked:  # one queue, FIFO: each consumer sees increasing offsets
         numbers = [int(str(mid)[1:]) for mid in per_worker]
         assert numbers == sorted(numbers)
