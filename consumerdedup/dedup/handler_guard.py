@@ -14,10 +14,12 @@ that statement; everything else is caught when the handler returns and
 reported with the error the handler swallowed. The raw DB-API connection's own
 ``commit()`` is refused while a handler runs too (psycopg and aiosqlite: the
 method is replaced for the call; sqlite3: its authorizer denies COMMIT, replacing
-any authorizer the application set on that connection). Not refused in advance:
-its ``rollback()`` (SQLAlchemy's own rollback goes through it) and, on psycopg, a
-COMMIT sent through the raw connection's ``execute()``: caught at the handler's
-next statement or when it returns; what such a commit committed stays committed.
+any authorizer the application set on that connection), and so is transaction-control
+SQL sent through the raw connection (its ``execute()`` and cursors: raw_commit). Not
+refused in advance: the raw ``rollback()`` (SQLAlchemy's own rollback goes through it),
+and on psycopg a COMMIT sent through libpq itself (``pgconn.exec_``) or a cursor class
+made by hand (``psycopg.Cursor(raw)``): caught at the handler's next statement or when
+it returns; what such a commit committed stays committed.
 
 Where the guard sits: its listeners act only on what a handler is handed; they are
 installed once, on the engine and the session factory's class (guard_listeners).
