@@ -225,6 +225,13 @@ class RelayStatements:
 
     def _first_pass(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
         rows = direct.rows(conn, self._claim_direct, {"now": now, "limit": limit})
+        if not rows or len(rows) == rows[0].scanned:
+            # Every row the scan saw came back locked and still free to go, so no relay
+            # changed one of them after the scan's snapshot. A relay that held one of these
+            # keys until a moment ago could only hold the key back by failing an older
+            # row of it, one that was free in that snapshot, so in the scan too, and the
+            # row lock would then have dropped it (its new version no longer may go).
+            return rows
         if keys := sorted({row.key for row in rows if row.key is not None}):
             blocked = dict(direct.rows(conn, self._blocked_direct, {"keys": keys, "now": now}))
             if blocked:  # rare: another relay failed a row of these keys since the scan
