@@ -3,18 +3,18 @@
 Left to itself psycopg sends its own BEGIN before a transaction's first statement and
 waits for it (in pipeline mode too: ``_start_query`` syncs after it), so every
 transaction waits on PostgreSQL once more than it sends statements. Here the
-session's connection is taken in autocommit (``Session.connection(execution_options)``:
-SQLAlchemy restores the isolation level when the pool takes the connection back), so
-psycopg sends no BEGIN of its own, and ours, naming the level, READ ONLY and
-DEFERRABLE as psycopg would have, goes out with the first statement in one pipeline.
+session's connection, begun as SQLAlchemy begins it, is switched to autocommit on the
+driver for that checkout (``take``: switched back when the pool takes it back), so
+psycopg sends no BEGIN of its own, and ours, the very BEGIN psycopg would have sent
+(``start_command``), goes out with the first statement in one pipeline.
 
 In autocommit a statement outside a transaction commits on its own. So whoever takes
 this path sends nothing on the connection once its transaction has ended behind the
 Session's back (the handler guard and the HTTP middleware refuse such statements;
 ``ended`` says so without a round trip), and rolls back on the driver before the
-Session lets the connection go (``roll_back_held``): SQLAlchemy restores autocommit's
-isolation level at checkin, which psycopg refuses inside a transaction, and the
-connection would stay checked out for good. Used by the HTTP middleware's transactional
+Session lets the connection go (``roll_back_held``): a transaction SQLAlchemy counts as
+over gets no rollback from the pool, and leaving autocommit at checkin rolls it back
+first (or discards the connection). Used by the HTTP middleware's transactional
 claim (http/sql_pipeline.py) and the pipeline's claim (dedup/driver_sql.py).
 """
 
@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
 
@@ -38,67 +38,100 @@ except ImportError:  # pragma: no cover - PostgreSQL is an extra
     psycopg = None  # type: ignore[assignment]
 
 _LEVELS = frozenset({"READ COMMITTED", "READ UNCOMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
-_AS_CHECKED_OUT = "consumerdedup.driver_autocommit"
-"""In a connection's ``info``: whether its driver was in autocommit when it was checked out
-(before execution options applied), noted by ``note_autocommit`` on engines we own."""
-_noting: weakref.WeakSet[Engine] = weakref.WeakSet()
+_IDLE = 0
+_ours: weakref.WeakSet[Engine] = weakref.WeakSet()
+"""Engines of ours (a deduplicator's engine copy): ``take(..., own=True)`` runs only on them."""
 
 
 def note_autocommit(engine: Engine) -> None:
-    """On an engine of ours (a deduplicator's engine copy): note at each checkout whether the
-    driver itself is in autocommit (``connect_args={"autocommit": True}``), which taking the
-    connection in autocommit would hide; ``take(..., own=True)`` needs it."""
-    if engine not in _noting:
-        event.listen(engine, "engine_connect", _note)
-        _noting.add(engine)
-
-
-def _note(conn: Connection) -> None:
-    raw = conn.connection.driver_connection
-    conn.info[_AS_CHECKED_OUT] = getattr(raw, "autocommit", None)
+    """``engine`` is one of ours (a deduplicator's engine copy): ``take(..., own=True)`` may
+    take its connections, and refuses one whose driver is in autocommit already
+    (``connect_args={"autocommit": True}``)."""
+    _ours.add(engine)
 
 
 def take(session: Session, what: str, own: bool = False) -> tuple[Connection, str] | None:
     """The session's connection in autocommit, and the BEGIN that opens its transaction,
     if this Session can take the pipelined path (a fresh Session on a psycopg Engine whose
     libpq has pipeline mode); else None, and nothing is done. ``own``: only on an engine
-    that notes its drivers' autocommit (note_autocommit), and a connection whose driver
-    was in autocommit already is refused (ConfigurationError) and discarded: the pool
-    would give it back out of autocommit, to the application's code."""
+    of ours (note_autocommit), and a connection whose driver is in autocommit already is
+    refused (ConfigurationError), left as it is.
+
+    The connection is begun as SQLAlchemy begins it (``session.connection()``: the
+    engine's execution options applied, the application's ``begin`` and ``after_begin``
+    listeners run, on a driver not in autocommit), and only then is the driver switched
+    to autocommit, for this checkout only. Not through SQLAlchemy's
+    ``isolation_level="AUTOCOMMIT"``: that ran the application's ``begin`` listeners in
+    autocommit (a ``SET LOCAL`` lost, an audit INSERT committed alone), and its reset at
+    checkin set the driver to the dialect's default level, not the one the application
+    gave it (a ``connect`` listener's, ``SET SESSION CHARACTERISTICS``). A listener that
+    sent a statement has begun the transaction already: then the plain path (None)."""
     if psycopg is None or session.in_transaction() or not psycopg.Pipeline.is_supported():
         return None
     bind = session.get_bind()
     if not isinstance(bind, Engine) or bind.dialect.driver != "psycopg":
         return None
-    if own and bind not in _noting:
+    if own and bind not in _ours:
         return None
-    # In autocommit psycopg forgets the level the engine asked for (create_engine's or
-    # execution_options' isolation_level): our BEGIN must name it, or a SERIALIZABLE
-    # transaction would silently run at the server's default.
     asked = bind.get_execution_options().get("isolation_level")
     if asked is not None and _level(asked) not in _LEVELS:
         return None  # AUTOCOMMIT (refused next by the caller's checks) or a level unnamed
-    conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+    conn = session.connection()
     raw = conn.connection.driver_connection
     if not isinstance(raw, psycopg.BaseConnection):
         return None  # a creator= wrapper: dialects.require_driver refuses it next
-    if own and conn.info.get(_AS_CHECKED_OUT) is not False:
-        error = ConfigurationError(dialects.autocommit_message(what))
-        conn.invalidate(error)
-        raise error
-    # create_engine's level: the dialect reads it at the first connect, which is done now.
-    level = _level(asked or getattr(bind.dialect, "default_isolation_level", None))
-    if level not in _LEVELS:
-        raise ConfigurationError(
-            f"{what}: cannot tell the isolation level ({level!r}) the engine's transactions "
-            "run at; give the engine an isolation_level"
-        )
-    words = ["BEGIN ISOLATION LEVEL", level]
-    if raw.read_only is not None:  # postgresql_readonly: psycopg keeps it in autocommit
+    if raw.autocommit:
+        if own:
+            raise ConfigurationError(dialects.autocommit_message(what))
+        return None  # the caller's checks refuse it, the connection left as it is
+    if int(raw.info.transaction_status) != _IDLE:
+        return None  # a begin listener's statement began the transaction: nothing to pipeline
+    begin = start_command(raw)
+    _autocommit_for_this_checkout(conn, raw)
+    return conn, begin
+
+
+def start_command(raw: Any) -> str:
+    """The BEGIN psycopg itself would send on ``raw`` (its ``_get_tx_start_command``): the
+    connection's own isolation_level, read_only and deferrable, whoever set them (the
+    engine's isolation_level or execution options, a connect listener, a creator=); with
+    none, a plain BEGIN, so the server's default (``SET SESSION CHARACTERISTICS``,
+    ``default_transaction_isolation``) applies as it does to the application's own."""
+    words = ["BEGIN"]
+    if raw.isolation_level is not None:
+        words += ["ISOLATION LEVEL", psycopg.IsolationLevel(raw.isolation_level).name]
+    if raw.read_only is not None:
         words.append("READ ONLY" if raw.read_only else "READ WRITE")
     if raw.deferrable is not None:
         words.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
-    return conn, " ".join(words)
+    return " ".join(words).replace("_", " ")
+
+
+def _autocommit_for_this_checkout(conn: Connection, raw: Any) -> None:
+    """``raw`` in autocommit until the pool takes it back: then, after the pool's reset
+    (its rollback), out of autocommit again, rolled back first if a transaction is still
+    open; a connection that cannot be given back so is invalidated (the pool opens a new
+    one), never handed to the application in autocommit. On the connection record's
+    finalize callbacks, where SQLAlchemy's own connection characteristics are undone."""
+    fairy: Any = conn.connection
+    record = fairy._connection_record
+    dbapi = fairy.dbapi_connection  # the async adapter awaits set_autocommit in its setter
+
+    def restore(_: Any) -> None:
+        try:
+            if int(raw.info.transaction_status) != _IDLE:
+                dbapi.rollback()
+            dbapi.autocommit = False
+            if raw.autocommit:  # pragma: no cover - psycopg raises rather than ignore it
+                raise ConfigurationError("the driver stayed in autocommit")
+        except Exception as error:
+            try:
+                record.invalidate(error)
+            except Exception:  # pragma: no cover - closing failed too: the socket goes
+                raw.pgconn.finish()
+
+    dbapi.autocommit = True
+    record.finalize_callback.append(restore)
 
 
 def _level(name: object) -> str:
