@@ -75,15 +75,23 @@ async def read_again(consumer: Any, tp: Any, first: int) -> None:
 
 
 async def drained(consumer: Any, topics: Sequence[str]) -> bool:
-    """The group's committed offsets reach the end of every partition of ``topics``."""
+    """The group's committed offsets reach the end of every partition of ``topics``, as this
+    member can tell: for a partition it owns, the end its fetches saw; for another's, the end
+    the broker lists.
+
+    False, not an error, when the assignment changed during the check (a rebalance during one
+    of its awaits): a partition given away is no longer ours to judge, and one given to us was
+    judged as another's, without the records its fetches will see."""
     partitions = [tp for topic in topics for tp in _partitions(consumer, topic)]
     if not partitions:
         return False
-    ends = await consumer.end_offsets(partitions)
     assigned = consumer.assignment()
+    ends = await consumer.end_offsets(partitions)
     for tp in partitions:
         end = ends[tp]
         if tp in assigned:
+            if consumer.assignment() != assigned:
+                return False  # given away since (highwater() would fail an assertion)
             # The high watermark of the last fetch: some brokers (Tansu 0.6) answer
             # ListOffsets with the start of the last record batch plus one.
             seen = consumer.highwater(tp)
@@ -92,7 +100,7 @@ async def drained(consumer: Any, topics: Sequence[str]) -> bool:
             end = max(end, seen)
         if ((await consumer.committed(tp)) or 0) < end:
             return False
-    return True
+    return bool(consumer.assignment() == assigned)
 
 
 def _partitions(consumer: Any, topic: str) -> list[Any]:

@@ -90,9 +90,10 @@ class KafkaConsumerRunner(ConsumerRunner):
         await self.processor.check_startup()  # a missing table or right stops it here
         cfg = self.config
         consumer = connection.consumer(self.bootstrap_servers, self.group_id, cfg.consumer_options)
-        consumer.subscribe(
-            list(self.topics), listener=RebalanceListener(lambda tps: self._revoked(tps))
+        listener = RebalanceListener(
+            lambda tps: self._revoked(tps), lambda tps: self._in_flight.assigned()
         )
+        consumer.subscribe(list(self.topics), listener=listener)
         publisher = KafkaPublisher(
             self.bootstrap_servers,
             enable_idempotence=cfg.idempotent_producer,
@@ -141,10 +142,18 @@ class KafkaConsumerRunner(ConsumerRunner):
                     logger.info("a rebalance came while reading partitions alone; reading on")
                 continue
             if not fetched:
-                if until_idle and not schedule.paused and await acks.drained(consumer, self.topics):
+                if until_idle and not schedule.paused and await self._idle(consumer):
                     return
                 continue
             await self._handle_fetch(consumer, dead_letters, fetched, epoch)
+
+    async def _idle(self, consumer: Any) -> bool:
+        """Lag 0 as this member can tell, and no rebalance under way or come meanwhile: a
+        partition given away is not ours to judge, and one given to us must be read first."""
+        epoch = self._in_flight.epoch
+        if self._in_flight.rebalancing:
+            return False
+        return await acks.drained(consumer, self.topics) and epoch == self._in_flight.epoch
 
     async def _fetch(self, consumer: Any, wait_ms: int) -> dict[Any, list[Any]]:
         """Up to batch_size records of each partition that has some: the first getmany waits
@@ -203,8 +212,8 @@ class KafkaConsumerRunner(ConsumerRunner):
             if self.stopping:
                 return
             if not self._in_flight.begin(epoch):
-                if found:  # stale, and the position is past it: read it again
-                    await acks.read_again(consumer, tp, found[0].offset)
+                if found or refused:  # stale, and the position is past them: read them again
+                    await acks.read_again(consumer, tp, (found or refused)[0].offset)
                 return
             try:
                 if found and not await self._handle(consumer, dead_letters, tp, found):

@@ -22,17 +22,24 @@ OnRevoked = Callable[[Any], Awaitable[None]]
 """Called with the revoked partitions; the rebalance goes on once it returns."""
 
 
-class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Hands a revocation to the runner, which returns once its work in flight is done."""
+OnAssigned = Callable[[Any], None]
+"""Called with the partitions assigned once a rebalance is done."""
 
-    def __init__(self, on_revoked: OnRevoked) -> None:
+
+class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Hands a revocation to the runner, which returns once its work in flight is done, and
+    the assignment that ends the rebalance."""
+
+    def __init__(self, on_revoked: OnRevoked, on_assigned: OnAssigned | None = None) -> None:
         self.on_revoked = on_revoked
+        self.on_assigned = on_assigned
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         await self.on_revoked(revoked)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        pass
+        if self.on_assigned is not None:
+            self.on_assigned(assigned)
 
 
 class InFlight:
@@ -42,6 +49,9 @@ class InFlight:
     def __init__(self) -> None:
         self.epoch = 0
         """Bumped by each revocation: records fetched before it are stale."""
+        self.rebalancing = False
+        """From a revocation until the assignment after it: the partitions the consumer
+        still lists meanwhile are no longer ours."""
         self._count = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -63,7 +73,12 @@ class InFlight:
     async def revoke(self) -> None:
         """No chunk of an earlier fetch starts from now on; returns once none is in flight."""
         self.epoch += 1
+        self.rebalancing = True
         await self._idle.wait()
+
+    def assigned(self) -> None:
+        """The rebalance is done: what the consumer lists is ours again."""
+        self.rebalancing = False
 
 
 def in_flight_limit(engine: Any, wanted: int) -> int:

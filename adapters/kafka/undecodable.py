@@ -41,11 +41,14 @@ class Undecodable:
 
 async def rewind(consumer: Any, positions: Mapping[Any, int], reset: str) -> None:
     """Every assigned partition back to where the runner stands on it: what it handled last
-    (``positions``), else the group's commit, else the start when ``reset`` is "earliest"."""
+    (``positions``), else the group's commit, else the start when ``reset`` is "earliest".
+    One given away meanwhile is left to its new owner (it reads from the group's commit)."""
     for tp in consumer.assignment():
         offset = positions.get(tp)
         if offset is None:
             offset = await consumer.committed(tp)
+        if tp not in consumer.assignment():
+            continue  # given away during the await
         if offset is not None:
             consumer.seek(tp, offset)
         elif reset == "earliest":
@@ -63,6 +66,8 @@ async def read_alone(
         try:
             got = await consumer.getmany(tp, timeout_ms=timeout, max_records=1)
         except UNDECODABLE as exc:
+            if tp not in consumer.assignment():
+                return records, []  # given away meanwhile: its new owner finds the record
             start = await consumer.position(tp)  # just after the last record returned
             return records, await _range(consumer, tp, start, exc, wait_ms, stopping)
         if not got:
@@ -76,14 +81,19 @@ async def _range(
     consumer: Any, tp: Any, start: int, exc: Exception, wait_ms: int, stopping: Callable[[], bool]
 ) -> list[Undecodable]:
     """The offsets from ``start`` up to the first one aiokafka can read from again (the end of
-    the undecodable record's batch, or of the log); the partition is left there."""
+    the undecodable record's batch, or of the log); the partition is left there. Nothing if the
+    partition was given away meanwhile: not ours to refuse, its new owner finds the range."""
     try:
         listed = (await consumer.end_offsets([tp]))[tp]
     except KafkaError:  # the fetch's high watermark says it too
         listed = 0
+    if tp not in consumer.assignment():
+        return []  # given away during the await (highwater() would fail an assertion)
     end = max(listed, consumer.highwater(tp) or 0, start + 1)
     offset = start + 1
     while offset < end and not stopping():
+        if tp not in consumer.assignment():
+            return []  # given away during a getmany
         consumer.seek(tp, offset)
         try:
             got = await consumer.getmany(tp, timeout_ms=wait_ms, max_records=1)
@@ -92,6 +102,8 @@ async def _range(
             continue
         if got:
             break  # readable from here
+    if tp not in consumer.assignment():
+        return []
     consumer.seek(tp, offset)
     cause = f"aiokafka cannot decode it ({describe(exc)}; a header key that is not UTF-8?)"
     logger.error(
