@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from aiokafka import ConsumerRebalanceListener  # type: ignore[import-untyped]
+from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener  # type: ignore[import-untyped]
 from aiokafka.coordinator.assignors.abstract import (  # type: ignore[import-untyped]
     AbstractPartitionAssignor,
 )
@@ -27,8 +27,9 @@ from aiokafka.coordinator.protocol import (  # type: ignore[import-untyped]
 from sqlalchemy import text
 
 from consumerdedup import AsyncDeduplicator, Message, Outcome, RetryPolicy
-from consumerdedup.adapters.kafka import KafkaConsumerRunner
+from consumerdedup.adapters.kafka import OFFSET_HEADER, KafkaConsumerRunner
 from consumerdedup.adapters.kafka import connection as kafka_connection
+from tests.kafka.test_attack_round3 import NotUtf8, raw_header_keys_fixture  # noqa: F401
 from tests.support.kafka_service import (  # noqa: F401
     KafkaService,
     Topics,
@@ -256,3 +257,92 @@ async def test_two_members_until_idle_each_return_having_processed_each_record_o
     processed = sum(m.outcomes.get(Outcome.PROCESSED, 0) for m in members)
     assert processed == len(ids)
     assert await topics.lag(group, topic) == 0
+
+
+async def test_a_partition_given_away_while_its_undecodable_range_is_measured_is_not_an_error(
+    kafka: KafkaService,
+    topics: Topics,
+    pg: Any,
+    ledger: Ledger,
+    raw_header_keys: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same class of race in reading past a record aiokafka cannot decode: the first
+    member finds it, asks the broker where the partition ends, and the partition is given
+    away during that await. Not an error (highwater() raised AssertionError): the range is
+    not the first member's to refuse; the second member refuses it, once."""
+    topic = await topics.create("undecodable-rebalance", partitions=1)
+    group = f"cdd-idle-{uuid.uuid4().hex[:10]}"
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", linger_ms=200)
+    await producer.start()
+    try:  # one batch: a readable record, the undecodable one, a readable one; then another
+        sent = [
+            await producer.send(topic, b"{}", partition=0, headers=[("event_id", b"u-a")]),
+            await producer.send(
+                topic, b"{}", partition=0, headers=[(NotUtf8("k"), b"v"), ("event_id", b"u-b")]
+            ),
+            await producer.send(topic, b"{}", partition=0, headers=[("event_id", b"u-c")]),
+        ]
+        assert [(await future).offset for future in sent] == [0, 1, 2]
+        await producer.send_and_wait(topic, b"{}", partition=0, headers=[("event_id", b"u-z")])
+    finally:
+        await producer.stop()
+    first = member(kafka, ledger.handler(), topic, group, FirstMember)
+    second = member(kafka, ledger.handler(), topic, group, SecondMember)
+    gate, watched = Gate(), {}
+    made = kafka_connection.consumer
+
+    def consumer(*args: Any) -> Any:  # the first member's consumer, instrumented for timing
+        made_consumer = made(*args)
+        if watched:
+            return made_consumer
+        subscribe, position, end_offsets = (
+            made_consumer.subscribe,
+            made_consumer.position,
+            made_consumer.end_offsets,
+        )
+
+        def subscribe_watched(topics: Any, listener: Any) -> None:
+            watched["listener"] = Watched(listener)
+            subscribe(topics, listener=watched["listener"])
+
+        async def position_seen(tp: Any) -> Any:  # asked only after an undecodable record
+            watched["undecodable"] = True
+            return await position(tp)
+
+        async def end_offsets_held(tps: Any) -> Any:
+            if not gate.used and watched.get("undecodable"):
+                gate.used = True
+                gate.entered.set()
+                await gate.release.wait()
+            return await end_offsets(tps)
+
+        made_consumer.subscribe, made_consumer.position = subscribe_watched, position_seen
+        made_consumer.end_offsets = end_offsets_held
+        watched["consumer"] = made_consumer
+        return made_consumer
+
+    monkeypatch.setattr(kafka_connection, "consumer", consumer)
+    runs = [asyncio.create_task(first.run(until_idle=True))]
+    try:
+        await asyncio.wait_for(gate.entered.wait(), WAIT)
+        runs.append(asyncio.create_task(second.run(until_idle=True)))
+        while await asyncio.wait_for(watched["listener"].assignments.get(), WAIT):
+            pass  # until the first member's assignment after the join: nothing
+        gate.release.set()
+        done, _ = await asyncio.wait(runs, timeout=WAIT)
+        assert len(done) == 2, "a member did not return once the group was idle"
+        for run in runs:
+            run.result()  # the first member raised nothing
+    finally:
+        gate.release.set()
+        first.stop()
+        second.stop()
+        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 30)
+
+    assert sorted(ledger.ids()) == ["u-a", "u-z"]
+    assert sorted(ledger.processed()) == ["u-a", "u-z"]
+    assert first.outcomes == {}, first.outcomes  # it handled nothing of the stale read
+    dead = await topics.records(topic + ".dlq")
+    assert [dict(r.headers)[OFFSET_HEADER] for r in dead] == [b"1", b"2"]  # refused once
+    assert await topics.committed(group, topic) == {0: 4}
