@@ -128,11 +128,16 @@ def _params(direct: Direct, params: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _cursor(raw: Any) -> Any:
-    """A cursor giving plain tuples, whatever row_factory the application set."""
+def tuple_rows() -> Any:
+    """psycopg's plain tuples, whatever row_factory the application set. (psycopg is
+    imported here, not above: it is an extra, and SQLite never comes this way.)"""
     from psycopg.rows import tuple_row
 
-    return raw.cursor(row_factory=tuple_row)
+    return tuple_row
+
+
+def _cursor(raw: Any) -> Any:
+    return raw.cursor(row_factory=tuple_rows())
 
 
 def translated(
@@ -140,7 +145,11 @@ def translated(
 ) -> sa_exc.StatementError:
     """``error`` as SQLAlchemy raises a driver error; a lost connection is invalidated."""
     dialect = connection.dialect
-    lost = dialect.is_disconnect(error, connection.connection.dbapi_connection, cursor)  # type: ignore[arg-type]
+    lost = connection.invalidated or dialect.is_disconnect(
+        error,  # type: ignore[arg-type]
+        connection.connection.dbapi_connection,
+        cursor,
+    )
     if lost and not connection.invalidated:
         connection.invalidate(error)
     return sa_exc.DBAPIError.instance(

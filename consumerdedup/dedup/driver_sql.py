@@ -26,24 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ..db import pipelined_begin
+from ..db.direct import translated, tuple_rows
 from ..errors import TransactionBroken
 from .ops import Execute, Op
 from .transaction_start import PENDING_BEGIN
-
-
-def _tuple_row() -> Any:
-    """Plain tuples, whatever row_factory the application set. (psycopg is imported here,
-    not above: it is an extra, and SQLite never comes this way.)"""
-    from psycopg.rows import tuple_row
-
-    return tuple_row
-
 
 _ENDED = (
     "the transaction ended before a statement of the pipeline's (in autocommit it would "
@@ -86,17 +76,17 @@ def execute(session: Session, statement: Any, params: Any) -> Any:
     if begin is not None:
         try:
             return pipelined_begin.first_statement(
-                connection, begin, statement.query, params, _tuple_row()
+                connection, begin, statement.query, params, tuple_rows()
             )
         except connection.dialect.loaded_dbapi.Error as exc:
-            raise _translated(connection, statement, params, exc, None) from exc
+            raise translated(connection, statement.text, params, exc, None) from exc
     _open(raw)
-    cursor = raw.cursor(row_factory=_tuple_row())
+    cursor = raw.cursor(row_factory=tuple_rows())
     try:
         cursor.execute(statement.query, params)
         return cursor.fetchall()
     except connection.dialect.loaded_dbapi.Error as exc:
-        raise _translated(connection, statement, params, exc, cursor) from exc
+        raise translated(connection, statement.text, params, exc, cursor) from exc
     finally:
         cursor.close()
 
@@ -112,39 +102,16 @@ async def execute_async(session: AsyncSession, statement: Any, params: Any) -> A
     if begin is not None:
         try:
             return await pipelined_begin.first_statement_async(
-                connection, begin, statement.query, params, _tuple_row()
+                connection, begin, statement.query, params, tuple_rows()
             )
         except connection.dialect.loaded_dbapi.Error as exc:
-            raise _translated(connection, statement, params, exc, None) from exc
+            raise translated(connection, statement.text, params, exc, None) from exc
     _open(raw)
-    cursor = raw.cursor(row_factory=_tuple_row())
+    cursor = raw.cursor(row_factory=tuple_rows())
     try:
         await cursor.execute(statement.query, params)
         return await cursor.fetchall()
     except connection.dialect.loaded_dbapi.Error as exc:
-        raise _translated(connection, statement, params, exc, cursor) from exc
+        raise translated(connection, statement.text, params, exc, cursor) from exc
     finally:
         await cursor.close()
-
-
-def _translated(
-    connection: Connection, statement: DriverSQL, params: Any, error: Exception, cursor: Any
-) -> sa_exc.StatementError:
-    """``error`` as SQLAlchemy raises a driver error; a lost connection is invalidated."""
-    dialect = connection.dialect
-    lost = connection.invalidated or dialect.is_disconnect(
-        error,  # type: ignore[arg-type]
-        connection.connection.dbapi_connection,
-        cursor,
-    )
-    if lost and not connection.invalidated:
-        connection.invalidate(error)
-    return sa_exc.DBAPIError.instance(
-        statement.text,
-        params,
-        error,
-        dialect.loaded_dbapi.Error,
-        hide_parameters=connection.engine.hide_parameters,
-        connection_invalidated=lost,
-        dialect=dialect,
-    )
