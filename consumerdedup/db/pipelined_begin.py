@@ -43,7 +43,7 @@ _ours: weakref.WeakSet[Engine] = weakref.WeakSet()
 """Engines of ours (a deduplicator's engine copy): ``take(..., own=True)`` runs only on them."""
 
 
-def note_autocommit(engine: Engine) -> None:
+def mark_ours(engine: Engine) -> None:
     """``engine`` is one of ours (a deduplicator's engine copy): ``take(..., own=True)`` may
     take its connections, and refuses one whose driver is in autocommit already
     (``connect_args={"autocommit": True}``)."""
@@ -54,7 +54,7 @@ def take(session: Session, what: str, own: bool = False) -> tuple[Connection, st
     """The session's connection in autocommit, and the BEGIN that opens its transaction,
     if this Session can take the pipelined path (a fresh Session on a psycopg Engine whose
     libpq has pipeline mode); else None, and nothing is done. ``own``: only on an engine
-    of ours (note_autocommit), and a connection whose driver is in autocommit already is
+    of ours (mark_ours), and a connection whose driver is in autocommit already is
     refused (ConfigurationError), left as it is.
 
     The connection is begun as SQLAlchemy begins it (``session.connection()``: the

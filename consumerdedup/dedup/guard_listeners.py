@@ -93,7 +93,7 @@ def guarded_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     gets none."""
     copy = engine.execution_options()
     _listen_once(copy, CONNECTION_EVENTS)
-    pipelined_begin.note_autocommit(copy)
+    pipelined_begin.mark_ours(copy)
     return sessionmaker(copy, class_=PipelineSession, expire_on_commit=False)
 
 
@@ -101,7 +101,7 @@ def guarded_async_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncS
     """``guarded_sessionmaker`` for an AsyncEngine."""
     copy = engine.execution_options()
     _listen_once(copy.sync_engine, CONNECTION_EVENTS)
-    pipelined_begin.note_autocommit(copy.sync_engine)
+    pipelined_begin.mark_ours(copy.sync_engine)
     return async_sessionmaker(copy, sync_session_class=PipelineSession, expire_on_commit=False)
 
 

@@ -5,10 +5,10 @@ BEGIN, the claim, the endpoint's writes, the response's UPDATE, the COMMIT; the 
 endpoint waits three times (BEGIN, its writes, COMMIT). Those waits, not the statements,
 were most of what the middleware cost (docs/http.md). Here:
 
-- the request's connection is taken in autocommit (``Session.connection(execution_options)``;
-  SQLAlchemy restores the isolation level when the pool takes the connection back), so
-  psycopg sends no BEGIN of its own, and ours goes out with the claim in one pipeline
-  (psycopg's pipeline mode): one wait;
+- the request's connection, begun as SQLAlchemy begins it, is switched to autocommit on
+  the driver for that checkout only (db.pipelined_begin: switched back when the pool takes
+  it back), so psycopg sends no BEGIN of its own, and ours, the one psycopg would have
+  sent, goes out with the claim in one pipeline (psycopg's pipeline mode): one wait;
 - the response's UPDATE goes out with the COMMIT in one pipeline, from the connection's
   commit event, after the Session's before_commit hooks and its last flush: one wait. The
   UPDATE raises when this transaction no longer holds the claim (the endpoint rolled
