@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from ..errors import ConfigurationError, PermanentError
+from ..errors import ConfigurationError, PermanentError, RetryLater
 from ..reasons import describe
 from ..retry import too_big
 from .ops import CallBulk, CallHandler, Execute, HandlerRaised, Op
@@ -89,7 +89,19 @@ def _meaning(op: Op, exc: Exception, after_handlers: bool) -> Exception:
         return HandlerFailed(exc)
     if isinstance(op, Execute) and too_big(exc):
         return TransactionFailed(StatementRefused(exc))
+    if isinstance(op, Execute) and _cancelled(exc):
+        # Our claim waits on a twin's row lock until the holder ends: cancelled there
+        # (statement_timeout), it is contention, not the message's failure (RETRY, as a
+        # lock_timeout is); the holder decides the key.
+        later = RetryLater(f"a statement of the pipeline's was cancelled: {describe(exc)}")
+        later.__cause__ = exc
+        return TransactionFailed(later)
     return TransactionFailed(exc)
+
+
+def _cancelled(exc: Exception) -> bool:
+    """PostgreSQL's query_canceled (57014): statement_timeout, or pg_cancel_backend."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) == "57014"
 
 
 def signature(exc: BaseException) -> str:
