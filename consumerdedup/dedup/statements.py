@@ -13,6 +13,7 @@ from sqlalchemy.sql.dml import Insert
 from ..db.dialects import require_supported
 from ..db.names import table_sql
 from ..errors import ConfigurationError
+from ..outcome import Outcome
 from ..reasons import describe
 from ..retry import setup_fault
 from ..schema import Tables
@@ -24,6 +25,7 @@ MAX_PARAMETERS = 30_000
 psycopg's 65,535, asyncpg's 32,767, SQLite's 32,766 (SQLITE_MAX_VARIABLE_NUMBER since
 3.32; the claim's RETURNING needs 3.35). A batch of any size is cut to fit."""
 _RECORD_COLUMNS = 6
+_PROCESSED = Outcome.PROCESSED.value
 """Parameters per row of the VALUES form of ``record``."""
 
 
@@ -80,6 +82,15 @@ class Statements:
             "AS r(message_id, payload_hash, outcome, error, n) ORDER BY r.n "
             "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
         )
+        self._driver_claim = DriverSQL(
+            f"INSERT INTO {name} (consumer, message_id, processed_at, payload_hash, outcome, "
+            "error) SELECT %(consumer)s, r.message_id, %(processed_at)s, r.payload_hash, "
+            f"'{Outcome.PROCESSED.value}', NULL FROM unnest(%(ids)s::text[], "
+            "%(hashes)s::text[]) WITH ORDINALITY AS r(message_id, payload_hash, n) "
+            "ORDER BY r.n ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+        )
+        """Rows that are all PROCESSED with no error (a claim): two arrays, not four, for
+        psycopg to build and the server to read."""
         self._driver_record_one = DriverSQL(
             f"INSERT INTO {name} (consumer, message_id, processed_at, payload_hash, outcome, "
             "error) VALUES (%(consumer)s, %(message_id)s, %(processed_at)s, %(payload_hash)s, "
@@ -122,7 +133,11 @@ class Statements:
         if self.on_driver and len(listed) == 1:
             return [(self._driver_record_one, listed[0])]
         if self.on_driver:  # in array order, so the keys' locks are taken in key order
-            return [(self._driver_record, partitioned_statements.record_params(listed))]
+            params = partitioned_statements.record_params(listed)
+            if all(o == _PROCESSED for o in params["outcomes"]) and not any(params["errors"]):
+                del params["outcomes"], params["errors"]
+                return [(self._driver_claim, params)]
+            return [(self._driver_record, params)]
         if self.serialized:
             return [(self._record, partitioned_statements.record_params(listed))]
         size = MAX_PARAMETERS // _RECORD_COLUMNS
