@@ -141,7 +141,7 @@ def _level(name: object) -> str:
 def ended(conn: Connection) -> bool:
     """The connection's transaction is over (psycopg's IDLE; no round trip)."""
     status = conn.connection.driver_connection.info.transaction_status  # type: ignore[union-attr]
-    return int(status) == 0
+    return int(status) == _IDLE
 
 
 def first_statement(
@@ -200,10 +200,10 @@ def left_clean(conn: Connection) -> Iterator[None]:
     try:
         yield
     except psycopg.Error as error:
-        raw = conn.connection.driver_connection
-        if error.sqlstate is None or raw is None or raw.closed or raw.broken:
+        raw: Any = conn.connection.driver_connection
+        if _lost(raw, error):
             conn.invalidate(error)
-        elif int(raw.info.transaction_status) != 0:  # not IDLE: roll it back
+        elif int(raw.info.transaction_status) != _IDLE:  # roll it back
             try:
                 if isinstance(raw, psycopg.AsyncConnection):
                     await_only(raw.rollback())
@@ -214,10 +214,17 @@ def left_clean(conn: Connection) -> Iterator[None]:
         raise
 
 
+def _lost(raw: Any, error: Any) -> bool:
+    """The error left no connection to roll back on: no SQLSTATE (the driver's own
+    failure), or the connection closed or broken."""
+    return bool(error.sqlstate is None or raw is None or raw.closed or raw.broken)
+
+
 async def _clean_async(conn: Connection, raw: Any, error: Any) -> None:
-    if error.sqlstate is None or raw is None or raw.closed or raw.broken:
+    """``left_clean`` awaited: the same rule."""
+    if _lost(raw, error):
         conn.invalidate(error)
-    elif int(raw.info.transaction_status) != 0:
+    elif int(raw.info.transaction_status) != _IDLE:
         try:
             await raw.rollback()
         except psycopg.Error:
