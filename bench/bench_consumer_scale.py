@@ -699,6 +699,7 @@ def summary(evidence: list[Evidence]) -> dict[str, float]:
         "w_wal": med([e.share(*WAL_WAITS) for e in evidence]),
         "w_lock": med([e.lock_share() for e in evidence]),
         "join": med([e.join for e in evidence]),
+        "window": med([e.window for e in evidence]),
         "tx_per_s": med([e.batches / (e.join + e.window) for e in evidence]),
         "wal_per_s": med([e.wal_syncs / (e.join + e.window) for e in evidence]),
     }
@@ -754,6 +755,13 @@ def run(args: argparse.Namespace, bench: Bench) -> None:
                 f"{s['per_client']:.2f} cores"
             )
             per = s["us_clients"] + s["us_pg"] + s["us_broker"]
+            if per <= 0 or s["window"] <= 0:
+                # The run ended between two of the sampler's snapshots: no CPU was seen.
+                print(
+                    "      CPU per message: not measured (the steady window was shorter than "
+                    "the sampler's interval): run with more --messages/--messages-bulk"
+                )
+                continue
             print(
                 f"      CPU per message: consumers {s['us_clients']:.0f} us + PostgreSQL "
                 f"{s['us_pg']:.0f} us + broker {s['us_broker']:.0f} us = {per:.0f} us: "
