@@ -9,12 +9,12 @@ import uuid
 from collections.abc import Awaitable, Mapping
 from typing import Any, overload
 
-from sqlalchemy import String, Table, bindparam, func, insert, select
+from sqlalchemy import Connection, String, Table, bindparam, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ..db import before_commit, dialects, locks
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, TransactionBroken
 from ..headers import ID_HEADER
 from ..schema import DEFAULT, ID_LENGTH, Tables, utcnow
 from ..telemetry import hooks
@@ -53,6 +53,10 @@ class Outbox:
     (db/before_commit.py): two batches over the same keys cannot deadlock on them.
     A session in autocommit mode is refused (ConfigurationError):
     its row would commit alone, whatever became of the caller's transaction.
+    In a pipeline transaction whose driver says it is over (a handler ended it through
+    the raw DB-API connection), ``add`` raises TransactionBroken saying so: the
+    pipeline's connection runs in driver autocommit for its pipelined BEGIN
+    (db.pipelined_begin), so the autocommit check alone would blame the engine.
     """
 
     def __init__(self, tables: Tables = DEFAULT) -> None:
@@ -90,9 +94,12 @@ class Outbox:
         row = self._row(destination, body, key, headers)
         if isinstance(session, AsyncSession):
             return self._add_async(session, row)
-        dialects.require_transaction(session.connection(), _ADD, driver=False)
+        connection = session.connection()
+        held = before_commit.queue(session)
+        if held is not None:
+            _require_pipeline_open(connection)
+        dialects.require_transaction(connection, _ADD, driver=False)
         if key is not None and _dialect(session) == "postgresql":
-            held = before_commit.queue(session)
             if held is not None:  # a pipeline transaction: locked in order before COMMIT
                 hold_back(held, session, self.tables.outbox, row)
                 return str(row["event_id"])
@@ -103,9 +110,11 @@ class Outbox:
     async def _add_async(self, session: AsyncSession, row: dict[str, Any]) -> str:
         connection = (await session.connection()).sync_connection
         assert connection is not None, "an AsyncConnection in a transaction has its connection"
+        held = before_commit.queue(session)
+        if held is not None:
+            _require_pipeline_open(connection)
         dialects.require_transaction(connection, _ADD, driver=False)
         if row["key"] is not None and session.get_bind().dialect.name == "postgresql":
-            held = before_commit.queue(session)
             if held is not None:  # a pipeline transaction: locked in order before COMMIT
                 hold_back(held, session.sync_session, self.tables.outbox, row)
                 return str(row["event_id"])
@@ -180,6 +189,22 @@ def _encodable(*texts: str | None) -> None:
 
 def _shown(value: str) -> str:
     return ascii(value[:40])
+
+
+def _require_pipeline_open(connection: Connection) -> None:
+    """In a pipeline transaction (its before-commit queue is open): TransactionBroken if the
+    driver says the transaction is over. The pipeline verified at BEGIN that the connection
+    is not in autocommit, and the guard refuses every commit a handler can make through
+    SQLAlchemy; what is left is the raw DB-API connection's rollback() (or a commit through
+    libpq itself). Nothing of the handler can commit then: the message fails alone."""
+    if not dialects.in_driver_transaction(connection.connection.driver_connection):
+        raise TransactionBroken(
+            f"{_ADD}: the handler ended the pipeline's transaction through the raw DB-API "
+            "connection (its rollback() or commit()), so this event could not commit with "
+            "the dedup record and the handler's writes: never use the raw connection "
+            "(session.connection().connection) in a handler; to undo part of the work, "
+            "wrap it in session.begin_nested()"
+        )
 
 
 def _key_lock(table: Table) -> Any:
