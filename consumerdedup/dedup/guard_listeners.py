@@ -1,8 +1,9 @@
 """The SQLAlchemy listeners of the handler guard, and how they find the call they serve.
 
-A session handed to a handler listens for ``before_commit`` and ``after_begin``; the
-connection the session really uses in the pipeline's transaction listens for
-``before_cursor_execute``, ``after_cursor_execute`` and ``commit``. They act only
+A session handed to a handler listens for ``before_commit`` and ``after_begin``; on
+SQLite the connection the session really uses in the pipeline's transaction listens for
+``before_cursor_execute``, ``after_cursor_execute`` and ``commit`` (on psycopg the
+driver's cursors are watched instead: raw_commit). They act only
 while a HandlerCall runs on that very object: it sets itself in the object's
 ``info`` under ``CALL`` and takes itself out when the call ends.
 
@@ -87,12 +88,25 @@ class PipelineSession(Session):
     """The session class of a deduplicator's own factory: it carries the listeners."""
 
 
+def statements_on_driver(engine: Engine) -> bool:
+    """On psycopg the handler's statements are watched at the driver's cursors
+    (raw_commit), not through SQLAlchemy's cursor events: about 20 us a statement less."""
+    return engine.dialect.driver == "psycopg"
+
+
+def _listen_on_copy(copy: Engine) -> None:
+    if statements_on_driver(copy):
+        _watched.add(copy)  # nothing to listen for: a HandlerCall watches the cursors
+    else:
+        _listen_once(copy, CONNECTION_EVENTS)
+
+
 def guarded_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     """A deduplicator's own session factory: PipelineSessions on a copy of ``engine``
     (the same pool and dialect) whose connections carry the listeners; ``engine`` itself
     gets none."""
     copy = engine.execution_options()
-    _listen_once(copy, CONNECTION_EVENTS)
+    _listen_on_copy(copy)
     pipelined_begin.mark_ours(copy)
     return sessionmaker(copy, class_=PipelineSession, expire_on_commit=False)
 
@@ -100,7 +114,7 @@ def guarded_sessionmaker(engine: Engine) -> sessionmaker[Session]:
 def guarded_async_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     """``guarded_sessionmaker`` for an AsyncEngine."""
     copy = engine.execution_options()
-    _listen_once(copy.sync_engine, CONNECTION_EVENTS)
+    _listen_on_copy(copy.sync_engine)
     pipelined_begin.mark_ours(copy.sync_engine)
     return async_sessionmaker(copy, sync_session_class=PipelineSession, expire_on_commit=False)
 

@@ -43,7 +43,7 @@ from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
 from ..reasons import describe
 from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle
-from .guard_listeners import CALL, watch_connection, watch_session
+from .guard_listeners import CALL, statements_on_driver, watch_connection, watch_session
 from .raw_commit import refuse_raw_commit
 
 _TWO_CONNECTIONS = (
@@ -58,6 +58,15 @@ _NO_COMMIT = (
     "handler must not commit"
 )
 _COMMITS = ("COMMIT", "END", "COMMIT PREPARED", "PREPARE TRANSACTION")
+_UNWATCHED = (
+    "the engine's dialect is psycopg's but its connections are not psycopg connections (a "
+    "creator= wrapper): the handler's statements cannot be watched; give the engine the "
+    "DB-API module its dialect loads itself"
+)
+_IDLE = 0
+_LIVE = (1, 2, 3)
+"""psycopg's ACTIVE, INTRANS and INERROR (``pgconn.transaction_status``): a transaction is
+still there (IDLE, 0, is none; UNKNOWN, 4, a lost connection)."""
 
 
 class HandlerCall:
@@ -91,14 +100,21 @@ class HandlerCall:
         self.statement: tuple[str, Any, bool] = ("", None, False)
         """The handler's last statement: its text, parameters and whether executemany."""
         self.second_connection = False
-        watch_session(session)
-        watch_connection(connection)
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = connection.info
+        # Checked in, the pool's fairy lets go of its DB-API connection: the handler gave the
+        # connection back, and what is sent on it next may be someone else's.
+        self._fairy: Any = connection.connection
+        self._dbapi = self._fairy.dbapi_connection
+        self._raw: Any = self._fairy.driver_connection
+        self._unlock, on_driver = refuse_raw_commit(self._raw, self)
+        if not on_driver:  # SQLite: SQLAlchemy's cursor events (on psycopg, its cursors)
+            if statements_on_driver(connection.engine):  # pragma: no cover - require_driver
+                self._unlock()
+                raise ConfigurationError(_UNWATCHED)
+            watch_connection(connection)
+        watch_session(session)
         session.info[CALL] = self.info[CALL] = self
-        self._unlock = refuse_raw_commit(
-            connection.connection.driver_connection, self.refuse_raw_end
-        )
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
@@ -175,26 +191,10 @@ class HandlerCall:
         context: ExecutionContext | None,
         executemany: bool,
     ) -> None:
-        if self.ended:  # SQLite would run what follows outside any transaction, committing it
-            raise TransactionBroken(
-                f"{self.ended}; the handler went on with more statements: {_ADVICE}"
-            )
+        self._refuse_after_end()
         if idle(conn):
-            # Ended since the last statement we saw: by the raw DB-API connection's commit() or
-            # rollback(). This statement would begin a new transaction that then passes for
-            # ours. (A lost connection is not idle: its statement fails as it would, retried.)
-            self.ended = "the transaction ended outside SQLAlchemy (the raw DB-API connection)"
-            raise TransactionBroken(
-                "the handler ended the transaction through the raw DB-API connection (its "
-                f"commit() or rollback()), then sent another statement: {_NO_COMMIT}; never use "
-                "the raw connection in a handler"
-            )
-        word = transaction_control(statement, conn.dialect.name)
-        if word:
-            self.ended = f"the handler sent {word}"
-            if word in _COMMITS:
-                raise CommitInHandler(f"the handler sent {word}: {_NO_COMMIT}")
-            raise TransactionBroken(f"the handler sent {word}: the pipeline owns the transaction")
+            self._ended_outside()
+        self._refuse_control(statement, conn.dialect.name)
         self.statement = (statement, parameters, executemany)
         if context is not None and "handle_dbapi_exception" not in vars(context):
             # SQLAlchemy hands a failed statement's DB-API error to its context: this one's
@@ -216,11 +216,66 @@ class HandlerCall:
         # Whatever got past the text check: the driver says the transaction is over. Later
         # statements would run outside it (each committing at once), so stop at this one.
         if driver_state(conn) == ENDED:
-            self.ended = "a statement of the handler ended the transaction"
+            self._ended_by_statement()
+
+    # Statements at the psycopg connection's cursors (raw_commit) ------------------------------
+
+    def before_sql(self, sql: str, parameters: Any, executemany: bool) -> None:
+        if self._fairy.dbapi_connection is not self._dbapi:
+            return  # the handler gave the connection back, and it is someone else's now
+        self._refuse_after_end()
+        if self._raw.pgconn.transaction_status == _IDLE:
+            self._ended_outside()
+        self._refuse_control(sql, "postgresql")
+        self.statement = (sql, parameters, executemany)
+
+    def failed_sql(self, error: BaseException) -> None:
+        if self._fairy.dbapi_connection is not self._dbapi:
+            return
+        self.swallowed = (error, *self.statement)
+        raw = self._raw
+        if not (raw.closed or raw.broken) and raw.pgconn.transaction_status not in _LIVE:
+            self.ended = "the database rolled the transaction back after an error"
+
+    def after_sql(self) -> None:
+        if self._fairy.dbapi_connection is not self._dbapi:
+            return
+        if self._raw.pgconn.transaction_status not in _LIVE:
+            self._ended_by_statement()
+
+    # The checks both routes make ------------------------------------------------------------
+
+    def _refuse_after_end(self) -> None:
+        if self.ended:  # SQLite would run what follows outside any transaction, committing it
             raise TransactionBroken(
-                "a statement of the handler ended the transaction: the pipeline must commit the "
-                "handler's writes with the dedup record"
+                f"{self.ended}; the handler went on with more statements: {_ADVICE}"
             )
+
+    def _ended_outside(self) -> None:
+        # Ended since the last statement we saw: by the raw DB-API connection's commit() or
+        # rollback(). This statement would begin a new transaction that then passes for
+        # ours. (A lost connection is not idle: its statement fails as it would, retried.)
+        self.ended = "the transaction ended outside SQLAlchemy (the raw DB-API connection)"
+        raise TransactionBroken(
+            "the handler ended the transaction through the raw DB-API connection (its "
+            f"commit() or rollback()), then sent another statement: {_NO_COMMIT}; never use "
+            "the raw connection in a handler"
+        )
+
+    def _refuse_control(self, statement: str, dialect: str) -> None:
+        word = transaction_control(statement, dialect)
+        if word:
+            self.ended = f"the handler sent {word}"
+            if word in _COMMITS:
+                raise CommitInHandler(f"the handler sent {word}: {_NO_COMMIT}")
+            raise TransactionBroken(f"the handler sent {word}: the pipeline owns the transaction")
+
+    def _ended_by_statement(self) -> None:
+        self.ended = "a statement of the handler ended the transaction"
+        raise TransactionBroken(
+            "a statement of the handler ended the transaction: the pipeline must commit the "
+            "handler's writes with the dedup record"
+        )
 
     def on_commit(self, _conn: Connection) -> None:
         self.ended = "the handler committed the connection"

@@ -16,6 +16,14 @@ authorizer denies it on both drivers (aiosqlite's sqlite3 connection gets the sa
 authorizer); psycopg's cursors, which its ``execute()`` uses too, are made for the call
 from a subclass of the connection's ``cursor_factory`` that reads each statement's text
 (db.control_sql) before sending it. Not refused: libpq itself (``pgconn.exec_``).
+
+On psycopg those cursors are where the guard watches every statement of the call, the
+handler's through SQLAlchemy included (``StatementWatch``): checked before it is sent,
+its error kept, the transaction's state read after it. SQLAlchemy's cursor events would
+do the same one level up, at about 20 us a statement of event dispatch (measured), and
+the text would be read twice; so on psycopg they are not listened for (guard_listeners).
+The server-side cursors (``server_cursor_factory``: SQLAlchemy's ``stream_results``) are
+watched the same way.
 """
 
 from __future__ import annotations
@@ -23,26 +31,46 @@ from __future__ import annotations
 import inspect
 import sqlite3
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, ConfigurationError
 
 Refuse = Callable[[str], CommitInHandler]
 """Given the method's name, the error to raise (and the call notes that it happened)."""
 
-_REFUSE = "_consumerdedup_refuse"
+
+class StatementWatch(Protocol):
+    """What a HandlerCall does around each statement sent through a guarded cursor."""
+
+    def refuse_raw_end(self, word: str) -> CommitInHandler:
+        """Given the raw method's name (``commit``), the error to raise."""
+
+    def before_sql(self, sql: str, parameters: Any, executemany: bool) -> None:
+        """Before ``sql`` is sent: raise to refuse it."""
+
+    def after_sql(self) -> None:
+        """After a statement returned: raise if it ended the transaction."""
+
+    def failed_sql(self, error: BaseException) -> None:
+        """The driver raised ``error`` for the statement (it is raised on after this)."""
+
+
+_WATCH = "_consumerdedup_watch"
 """Set on a psycopg connection while a handler runs: its guarded cursors check only then
 (a cursor the handler kept works as before once the call is over)."""
 _CURSOR_METHODS = ("execute", "executemany", "stream", "copy")
+_LAZY = frozenset({"stream", "copy"})
+"""They give back an iterator or a context manager: checked at the call, nothing after."""
 _guarded: dict[type, type] = {}
 
 
-def refuse_raw_commit(raw: Any, refuse: Refuse) -> Callable[[], None]:
+def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], None], bool]:
     """Make ``raw.commit()`` and transaction-control SQL sent through ``raw`` raise
-    ``refuse(...)``; send back what lifts that."""
+    ``watch.refuse_raw_end(...)``; send back what lifts that, and whether every statement
+    of ``raw`` is watched at its cursors (psycopg) from now on."""
+    refuse = watch.refuse_raw_end
     if isinstance(raw, sqlite3.Connection):
-        return _deny_on_sqlite(raw, refuse)
+        return _deny_on_sqlite(raw, refuse), False
     for word in ("commit",):
         try:
             setattr(
@@ -56,13 +84,13 @@ def refuse_raw_commit(raw: Any, refuse: Refuse) -> Callable[[], None]:
                 "a handler could commit apart from the dedup record; use the DB-API module "
                 "its dialect loads itself"
             ) from exc
-    lift = _refuse_sql(raw, refuse)
+    lift, watched = _refuse_sql(raw, watch)
 
     def unlock() -> None:
         vars(raw).pop("commit", None)
         lift()
 
-    return unlock
+    return unlock, watched
 
 
 def _deny_on_sqlite(raw: sqlite3.Connection, refuse: Refuse) -> Callable[[], None]:
@@ -76,48 +104,73 @@ def _deny_on_sqlite(raw: sqlite3.Connection, refuse: Refuse) -> Callable[[], Non
     return lambda: raw.set_authorizer(None)
 
 
-def _refuse_sql(raw: Any, refuse: Refuse) -> Callable[[], None]:
-    """The driver's own ways to send SQL: denied COMMIT for the call."""
+def _refuse_sql(raw: Any, watch: StatementWatch) -> tuple[Callable[[], None], bool]:
+    """The driver's own ways to send SQL: denied COMMIT for the call; on psycopg, every
+    statement watched (``watch``)."""
     inner = getattr(raw, "_conn", None)
     if isinstance(inner, sqlite3.Connection):  # aiosqlite: its thread's sqlite3 connection
         try:
-            return _deny_on_sqlite(inner, refuse)
+            return _deny_on_sqlite(inner, watch.refuse_raw_end), False
         except sqlite3.ProgrammingError as exc:  # made with check_same_thread=True
             raise ConfigurationError(
                 f"aiosqlite: a COMMIT sent through the raw connection cannot be refused while "
                 f"a handler runs ({exc}); leave check_same_thread to aiosqlite"
             ) from exc
     base = getattr(raw, "cursor_factory", None)
-    if not (isinstance(base, type) and hasattr(raw, "pgconn")):
-        return lambda: None  # neither psycopg nor aiosqlite: commit() was all it had
-    vars(raw)[_REFUSE] = refuse
+    server = getattr(raw, "server_cursor_factory", None)
+    if not (isinstance(base, type) and isinstance(server, type) and hasattr(raw, "pgconn")):
+        return (lambda: None), False  # neither psycopg nor aiosqlite: commit() was all it had
+    vars(raw)[_WATCH] = watch
     raw.cursor_factory = _guarded_cursor(base)
+    raw.server_cursor_factory = _guarded_cursor(server)
 
     def lift() -> None:
-        vars(raw).pop(_REFUSE, None)
+        vars(raw).pop(_WATCH, None)
         raw.cursor_factory = base
+        raw.server_cursor_factory = server
 
-    return lift
+    return lift, True
 
 
 def _guarded_cursor(base: type) -> type:
-    """``base`` (a psycopg cursor class) whose statements are read before they are sent."""
+    """``base`` (a psycopg cursor class) whose statements are watched while a handler runs."""
     if base in _guarded or getattr(base, "_consumerdedup_guarded", False):
         return _guarded.get(base, base)
     coroutine = inspect.iscoroutinefunction(getattr(base, "execute", None))
 
     def method(name: str) -> Callable[..., Any]:
         parent = getattr(base, name)
+        many = name == "executemany"
+        lazy = name in _LAZY
 
         def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-            _check(self, query, name)
-            return parent(self, query, *args, **kwargs)
+            watch: StatementWatch | None = vars(self.connection).get(_WATCH)
+            if watch is None:
+                return parent(self, query, *args, **kwargs)
+            watch.before_sql(_text(self, query), args[0] if args else None, many)
+            if lazy:
+                return parent(self, query, *args, **kwargs)
+            try:
+                result = parent(self, query, *args, **kwargs)
+            except Exception as error:
+                watch.failed_sql(error)
+                raise
+            watch.after_sql()
+            return result
 
         async def checked_async(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-            _check(self, query, name)
-            return await parent(self, query, *args, **kwargs)
+            watch: StatementWatch | None = vars(self.connection).get(_WATCH)
+            if watch is None:
+                return await parent(self, query, *args, **kwargs)
+            watch.before_sql(_text(self, query), args[0] if args else None, many)
+            try:
+                result = await parent(self, query, *args, **kwargs)
+            except Exception as error:
+                watch.failed_sql(error)
+                raise
+            watch.after_sql()
+            return result
 
-        # stream() and copy() give back an iterator or a context manager: checked at the call.
         return checked_async if coroutine and inspect.iscoroutinefunction(parent) else checked
 
     namespace: dict[str, Any] = {
@@ -128,20 +181,15 @@ def _guarded_cursor(base: type) -> type:
     return guarded
 
 
-def _check(cursor: Any, query: Any, name: str) -> None:
-    refuse: Refuse | None = vars(cursor.connection).get(_REFUSE)
-    if refuse is None:
-        return
+def _text(cursor: Any, query: Any) -> str:
+    """The SQL text of what a psycopg cursor was given."""
     if isinstance(query, str):
-        sql = query
-    elif isinstance(query, bytes | bytearray | memoryview):
-        sql = bytes(query).decode("utf-8", "replace")
-    elif callable(getattr(query, "as_string", None)):  # psycopg.sql.Composable
-        sql = query.as_string(cursor)
-    else:
-        sql = str(query)
-    if transaction_control(sql, "postgresql"):
-        raise refuse(name)
+        return query
+    if isinstance(query, bytes | bytearray | memoryview):
+        return bytes(query).decode("utf-8", "replace")
+    if callable(getattr(query, "as_string", None)):  # psycopg.sql.Composable
+        return str(query.as_string(cursor))
+    return str(query)
 
 
 def _refusal(refuse: Refuse, word: str, coroutine: bool) -> Callable[..., Any]:
