@@ -26,6 +26,7 @@ from ..errors import ConfigurationError
 from ..lifecycle import StopSwitch
 from ..reasons import describe
 from ..schema import DEFAULT, Tables, utcnow
+from . import lock_space
 from .listener import Listener
 from .publisher import AsyncPublisher, Publisher
 from .relay_config import RelayConfig
@@ -96,15 +97,30 @@ class OutboxRelay(StopSwitch):
                 # The claim asks again after its locks, in a statement of its own: that needs
                 # a snapshot per statement, whatever level the engine was made with.
                 conn.execution_options(isolation_level="READ COMMITTED")
-                with conn.begin():
-                    dialects.require_transaction(conn, "OutboxRelay", driver=False)
-                    done = self._round(conn, self._claim(conn))
+                try:
+                    with conn.begin():
+                        dialects.require_transaction(conn, "OutboxRelay", driver=False)
+                        done = self._round(conn, self._claim(conn))
+                except Exception as exc:
+                    if not lock_space.is_lock_table_full(exc):
+                        raise
+                    raise self._lock_table_full(conn, exc) from exc
             else:
                 with conn.begin():  # reads only: SQLite takes no write lock
                     rows = self._claim(conn)
                 done = self._round(conn, rows)
         self.published += done
         return done
+
+    def _lock_table_full(self, conn: Any, error: Exception) -> lock_space.LockTableFull:
+        """The named error for a round that met "out of shared memory", with the server's
+        lock settings when they can be read (the round's transaction is rolled back)."""
+        try:
+            with conn.begin():
+                table: lock_space.LockTable | None = lock_space.read_lock_table(conn)
+        except Exception:  # the table is still full, or the connection went: said without
+            table = None
+        return lock_space.lock_table_full(error, self.config.batch_size, table)
 
     def _claim(self, conn: Any) -> list[Any]:
         return self.statements.claim(conn, utcnow(), self.config.batch_size)
@@ -141,6 +157,11 @@ class OutboxRelay(StopSwitch):
                     count = self.run_once()
                 except ConfigurationError:
                     raise  # a setup fault (the publisher cannot start): retrying cannot help
+                except lock_space.LockTableFull as exc:  # transient, or a round too big
+                    failures += 1
+                    logger.error("%s", exc)
+                    self.pause(self.config.backoff(failures).total_seconds())
+                    continue
                 except Exception as exc:  # the database went away: keep trying
                     failures += 1
                     logger.warning("relay round failed (%s); retrying", describe(exc))

@@ -15,6 +15,9 @@ class RelayConfig:
     """How much a round takes, how long an idle relay waits, how failures back off."""
 
     batch_size: int = 100
+    """Rows a round claims, publishes and marks in one transaction. On PostgreSQL also the
+    most advisory locks the round holds until it commits (one per distinct key), from the
+    server's shared lock table (outbox.lock_space; `consumerdedup doctor` checks it)."""
     poll_interval: timedelta = timedelta(seconds=1)
     """Idle wait between rounds; on PostgreSQL a NOTIFY ends it as soon as a row commits."""
     max_attempts: int = 10
@@ -28,7 +31,8 @@ class RelayConfig:
     publish_window: int = 500
     """Messages sent before the relay waits for their confirms together (a publisher that
     pipelines: RabbitPublisher, KafkaPublisher). Larger windows pay fewer round trips to
-    the broker; a refusal re-sends at most a window's later events of the refused key."""
+    the broker; a refusal re-sends at most a window's later events of the refused key. It
+    takes no lock: the round's locks are its batch_size's."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_attempts < 1 or self.publish_window < 1:
