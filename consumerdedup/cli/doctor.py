@@ -19,7 +19,7 @@ from .redact import shown
 from .retention import read_retention
 
 NAME = "doctor"
-HELP = "check a deployment: database, tables, trigger, partitions, outbox, windows"
+HELP = "check a deployment: database, tables, trigger, partitions, outbox, locks, windows"
 _WIDTH = 18
 
 
@@ -51,12 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="5m",
         help="FAIL when an unpublished event is older (default 5m)",
     )
+    relays = parser.add_argument_group("the relays (PostgreSQL's shared lock table)")
+    relays.add_argument(
+        "--relays", metavar="N", type=int, default=1, help="relays running at once (default 1)"
+    )
+    relays.add_argument(
+        "--relay-batch-size", metavar="N", type=int, help="their --batch-size (default 100)"
+    )
     parser.add_argument("--json", action="store_true", help="the checks as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.kafka and args.rabbitmq:
         raise UsageError("--kafka and --rabbitmq: give one broker")
+    if args.relays < 1 or (args.relay_batch_size is not None and args.relay_batch_size < 1):
+        raise UsageError("--relays and --relay-batch-size must be >= 1")
     windows = parse_windows(args.window)
     max_age = parse_duration(args.outbox_max_age, "--outbox-max-age") or timedelta(minutes=5)
     settings = Settings(
@@ -66,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         consumers=tuple(args.consumer or windows),
         max_attempts=args.max_attempts,
         outbox_max_age=max_age,
+        relays=args.relays,
+        relay_batch_size=args.relay_batch_size,
     )
     url, engine, tables = open_database(args)
     found: list[Check] = []

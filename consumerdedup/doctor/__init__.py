@@ -4,9 +4,9 @@
 problem that breaks a guarantee or stops work (exit non-zero), a warn is
 worth a look. Each check is a small function of ``checks`` (the database, its
 tables, indexes, trigger and version) or ``health`` (partitions, the outbox,
-records past their window, the broker's retention). Nothing here changes the
-database: the write probe on SQLite rolls back, on PostgreSQL it asks
-``has_table_privilege``.
+records past their window, PostgreSQL's shared lock table against the relays' rounds,
+the broker's retention). Nothing here changes the database: the write probe on SQLite
+rolls back, on PostgreSQL it asks ``has_table_privilege``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class Settings:
     max_attempts: int = 10
     outbox_max_age: timedelta = timedelta(minutes=5)
     now: datetime | None = None
+    relays: int = 1
+    """Relays running against this database at once (the lock-table check)."""
+    relay_batch_size: int | None = None
+    """Their RelayConfig.batch_size (`relay --batch-size`); None: the default."""
 
     def at(self) -> datetime:
         return self.now or datetime.now(UTC)
@@ -100,6 +104,7 @@ def diagnose(
             found += health.partitions(conn, tables)
             found += health.outbox(conn, tables, settings)
             found.append(health.old_records(conn, tables, settings))
+        found += health.lock_table(conn, settings)
         found += health.broker_windows(settings)
         if conn.in_transaction():
             conn.rollback()

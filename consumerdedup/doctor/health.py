@@ -1,5 +1,6 @@
 """The deployment at work: partitions, the outbox's backlog, records past their window,
-each consumer's window against its broker's retention."""
+PostgreSQL's shared lock table against the relays' rounds, each consumer's window against
+its broker's retention."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from sqlalchemy import ColumnElement, Connection, column, func, inspect, select
 
 from .. import durations
 from ..db.partitions import AHEAD, DayPartitions
+from ..outbox import lock_space
+from ..outbox.relay_config import RelayConfig
 from ..prune.windows import keep_for
 from ..schema import Tables
 from . import FAIL, OK, WARN, Check, Settings
@@ -130,6 +133,47 @@ def old_records(conn: Connection, tables: Tables, settings: Settings) -> Check:
         detail = f"records older than their window + buffer: {', '.join(late)}"
         return Check("old records", FAIL, detail + ": the pruner is not running", PRUNE)
     return Check("old records", OK, "none past its window + buffer")
+
+
+def lock_table(conn: Connection, settings: Settings) -> list[Check]:
+    """PostgreSQL: the relays' rounds against the shared lock table (outbox.lock_space).
+
+    Each relay's round holds up to batch_size advisory locks (one per distinct key it
+    claims) plus its relation locks until it commits; the server has
+    max_locks_per_transaction x (max_connections + max_prepared_transactions) slots for
+    every transaction's locks. Assumed, to be conservative: every relay is mid-round at
+    once, the documented size is all there is (the real table is a little larger), and
+    every other transaction (consumer batches take one lock per distinct outbox key until
+    their COMMIT; the application's own) needs up to half the table: a warn when the
+    relays alone could take more than the other half, where "out of shared memory" fails
+    rounds, and any other transaction, under load."""
+    if conn.dialect.name != "postgresql":
+        return []
+    table = lock_space.read_lock_table(conn)
+    batch = settings.relay_batch_size or RelayConfig().batch_size
+    relays = max(settings.relays, 1)
+    per_round = lock_space.round_locks(batch)
+    need = relays * per_round
+    budget = table.capacity // 2
+    said = (
+        f"{relays} relay(s) x (batch_size {batch} + {lock_space.RELATION_LOCKS}) = up to "
+        f"{need:,} locks of {table.describe()}"
+    )
+    if need <= budget:
+        return [Check("lock table", OK, f"{said}: within half of them")]
+    largest = max(budget // relays - lock_space.RELATION_LOCKS, 1)
+    backends = table.max_connections + table.max_prepared_transactions
+    setting = -(-2 * need // backends)  # rounded up
+    detail = (
+        f"{said}: the relays alone could take over half, and a round that finds no slot "
+        "fails with 'out of shared memory' (so does any other transaction then)"
+    )
+    fix = (
+        f"lower the relays' batch_size to {largest} or less (`relay --batch-size`, "
+        f"RelayConfig.batch_size; publish_window does not matter), or raise "
+        f"max_locks_per_transaction to {setting} or more in postgresql.conf (a restart)"
+    )
+    return [Check("lock table", WARN, detail, fix)]
 
 
 def broker_windows(settings: Settings) -> list[Check]:
