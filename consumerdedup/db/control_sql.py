@@ -15,6 +15,7 @@ after it (handler_guard) catches whatever reaches the server anyway.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,12 +74,28 @@ _READINGS = {
 }
 
 
+_CACHED_TEXT = 4096
+"""Texts up to this length are judged once (a handler sends the same few again and again);
+longer ones, often made anew each time, would only fill the cache."""
+
+
 def transaction_control(sql: str, dialect: str) -> str | None:
     """The first transaction-control statement in ``sql`` (its leading words), or None.
 
     Savepoints (SAVEPOINT, RELEASE, ROLLBACK TO) are not control: they nest
     inside the transaction. An unknown dialect is read every known way.
     """
+    if len(sql) <= _CACHED_TEXT:
+        return _judged(sql, dialect)
+    return _judge(sql, dialect)
+
+
+@functools.lru_cache(maxsize=2048)
+def _judged(sql: str, dialect: str) -> str | None:
+    return _judge(sql, dialect)
+
+
+def _judge(sql: str, dialect: str) -> str | None:
     upper = sql.upper()
     if not any(word in upper for word in _WORDS) or not _ANY_WORD.search(sql):
         return None  # the common case: no such word anywhere in the text

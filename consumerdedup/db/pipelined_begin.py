@@ -84,7 +84,7 @@ def take(session: Session, what: str, own: bool = False) -> tuple[Connection, st
         if own:
             raise ConfigurationError(dialects.autocommit_message(what))
         return None  # the caller's checks refuse it, the connection left as it is
-    if int(raw.info.transaction_status) != _IDLE:
+    if int(raw.pgconn.transaction_status) != _IDLE:
         return None  # a begin listener's statement began the transaction: nothing to pipeline
     begin = start_command(raw)
     _autocommit_for_this_checkout(conn, raw)
@@ -119,7 +119,7 @@ def _autocommit_for_this_checkout(conn: Connection, raw: Any) -> None:
 
     def restore(_: Any) -> None:
         try:
-            if int(raw.info.transaction_status) != _IDLE:
+            if int(raw.pgconn.transaction_status) != _IDLE:
                 dbapi.rollback()
             dbapi.autocommit = False
             if raw.autocommit:  # pragma: no cover - psycopg raises rather than ignore it
@@ -140,7 +140,7 @@ def _level(name: object) -> str:
 
 def ended(conn: Connection) -> bool:
     """The connection's transaction is over (psycopg's IDLE; no round trip)."""
-    status = conn.connection.driver_connection.info.transaction_status  # type: ignore[union-attr]
+    status = conn.connection.driver_connection.pgconn.transaction_status  # type: ignore[union-attr]
     return int(status) == _IDLE
 
 
@@ -203,7 +203,7 @@ def left_clean(conn: Connection) -> Iterator[None]:
         raw: Any = conn.connection.driver_connection
         if _lost(raw, error):
             conn.invalidate(error)
-        elif int(raw.info.transaction_status) != _IDLE:  # roll it back
+        elif int(raw.pgconn.transaction_status) != _IDLE:  # roll it back
             try:
                 if isinstance(raw, psycopg.AsyncConnection):
                     await_only(raw.rollback())
@@ -224,7 +224,7 @@ async def _clean_async(conn: Connection, raw: Any, error: Any) -> None:
     """``left_clean`` awaited: the same rule."""
     if _lost(raw, error):
         conn.invalidate(error)
-    elif int(raw.info.transaction_status) != _IDLE:
+    elif int(raw.pgconn.transaction_status) != _IDLE:
         try:
             await raw.rollback()
         except psycopg.Error:

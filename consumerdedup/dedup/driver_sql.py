@@ -44,7 +44,7 @@ _ENDED = (
 def _open(raw: Any) -> None:
     """Fail closed: in autocommit (the pipelined BEGIN) an IDLE connection has no
     transaction for our statement."""
-    if raw.autocommit and int(raw.info.transaction_status) == 0:
+    if raw.autocommit and int(raw.pgconn.transaction_status) == 0:
         raise TransactionBroken(_ENDED)
 
 

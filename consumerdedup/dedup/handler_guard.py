@@ -42,7 +42,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
 from ..reasons import describe
-from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle
+from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle, state_of
 from .guard_listeners import CALL, statements_on_driver, watch_connection, watch_session
 from .raw_commit import refuse_raw_commit
 
@@ -84,7 +84,7 @@ class HandlerCall:
         # Our claim or lookup has run in this transaction: a driver that does not say it is
         # open now is one whose state we cannot read (a DB-API swapped in through module= or
         # creator=): refused, as every check below would be meaningless on it.
-        if driver_state(connection) != OPEN:
+        if state_of(connection.connection.driver_connection) != OPEN:
             raise ConfigurationError(
                 f"{connection.dialect.name}+{connection.dialect.driver}: the connection "
                 f"({type(connection.connection.driver_connection).__name__}) does not report "
@@ -137,7 +137,7 @@ class HandlerCall:
                 "the handler ended the session's transaction (rollback or close): its writes "
                 f"and the dedup record can no longer commit together; {_ADVICE}"
             )
-        state = driver_state(self.connection)
+        state = state_of(self._raw)
         if state == ABORTED or not self.session.is_active:
             cause = self._swallowed_error()
             caught = f" ({describe(cause)})" if cause is not None else ""

@@ -28,6 +28,7 @@ watched the same way.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sqlite3
 from collections.abc import Callable
@@ -68,6 +69,11 @@ def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], Non
     """Make ``raw.commit()`` and transaction-control SQL sent through ``raw`` raise
     ``watch.refuse_raw_end(...)``; send back what lifts that, and whether every statement
     of ``raw`` is watched at its cursors (psycopg) from now on."""
+    coroutine = _psycopg_commit_kind(raw)
+    if coroutine is not None:
+        lifted = _watch_psycopg(raw, watch, coroutine)
+        if lifted is not None:
+            return lifted, True
     refuse = watch.refuse_raw_end
     if isinstance(raw, sqlite3.Connection):
         return _deny_on_sqlite(raw, refuse), False
@@ -91,6 +97,55 @@ def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], Non
         lift()
 
     return unlock, watched
+
+
+_psycopg_kinds: dict[type, bool | None] = {}
+
+
+def _psycopg_commit_kind(raw: Any) -> bool | None:
+    """For a psycopg connection, whether its commit() is a coroutine function (the async
+    connection's); None for any other driver. Judged once per class."""
+    kind = type(raw)
+    if kind not in _psycopg_kinds:
+        psycopg_like = hasattr(raw, "pgconn") and hasattr(raw, "server_cursor_factory")
+        commit = getattr(raw, "commit", None)
+        _psycopg_kinds[kind] = inspect.iscoroutinefunction(commit) if psycopg_like else None
+    return _psycopg_kinds[kind]
+
+
+def _watch_psycopg(raw: Any, watch: StatementWatch, coroutine: bool) -> Callable[[], None] | None:
+    """A psycopg connection guarded for one call: its commit() refused, its cursors (both
+    factories) watching every statement. Whatever a call around this one had set is put back
+    at the end (a handler that runs another deduplicator's handler on the same connection).
+    None, and nothing changed, if a cursor factory is not a class."""
+    base, server = raw.cursor_factory, raw.server_cursor_factory
+    if not (isinstance(base, type) and isinstance(server, type)):
+        return None
+    own = vars(raw)
+    before = own.get("commit"), own.get(_WATCH)
+    own["commit"] = functools.partial(_refuse_async if coroutine else _refuse_now, watch)
+    own[_WATCH] = watch
+    raw.cursor_factory = _guarded.get(base) or _guarded_cursor(base)
+    raw.server_cursor_factory = _guarded.get(server) or _guarded_cursor(server)
+
+    def unlock() -> None:
+        for name, value in zip(("commit", _WATCH), before, strict=True):
+            if value is None:
+                own.pop(name, None)
+            else:
+                own[name] = value
+        raw.cursor_factory = base
+        raw.server_cursor_factory = server
+
+    return unlock
+
+
+def _refuse_now(watch: StatementWatch, *_args: Any, **_kwargs: Any) -> None:
+    raise watch.refuse_raw_end("commit")
+
+
+async def _refuse_async(watch: StatementWatch, *_args: Any, **_kwargs: Any) -> None:
+    raise watch.refuse_raw_end("commit")
 
 
 def _deny_on_sqlite(raw: sqlite3.Connection, refuse: Refuse) -> Callable[[], None]:
