@@ -16,6 +16,10 @@ Scenarios, each draining the same number of fresh messages, published beforehand
   claims with ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` and makes the business inserts
   (one ``execute`` each, or one ``executemany`` for the bulk handler's twin), then the ack
   (one ``multiple`` ack per 100);
+- the same by-hand loop at 100 with a plain SQLAlchemy Session instead of psycopg (the same
+  claim, then the handler's very ``session.execute`` per message, then the commit; no dedup
+  pipeline, no guard): what a hand-written consumer that uses SQLAlchemy pays, so that the
+  per-message handler's gap splits into SQLAlchemy's share and the framework's own;
 - the ceiling: plain pika with no database, an ack per message and one per 100;
 - for scale, no broker: the same handlers' ``process_batch`` on in-memory messages, and
   the hand-written transactions on in-memory (id, body) pairs.
@@ -51,7 +55,7 @@ import pika
 import psycopg
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from consumerdedup import DedupHandler, Deduplicator, Message, Outcome, Result, Tables, install
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner
@@ -69,6 +73,7 @@ RUNNER_1 = "runner, batch_size=1"
 BY_HAND_1 = "plain pika + psycopg, 1 a transaction"
 RUNNER_100 = "runner, batch_size=100"
 BY_HAND_100 = "plain pika + psycopg, 100 a transaction"
+BY_SESSION_100 = "plain pika + SQLAlchemy Session, 100 a tx"
 BULK_100 = "runner, bulk handler, batch_size=100"
 BY_HAND_BULK_100 = "plain pika + psycopg, 100, executemany"
 ALONE_100 = "pipeline alone, 100 a transaction"
@@ -241,6 +246,31 @@ class Bench:
 
         return self.counted(commit)
 
+    def session_transaction(self, consumer: str) -> Callable[..., None]:
+        """``transaction`` through a plain SQLAlchemy Session (no dedup, no guard): the same
+        claim, then the handler's very statement (``session.execute`` of the same ``text``)
+        per claimed message, then the commit; what a hand-written SQLAlchemy consumer pays."""
+        claim = text(
+            plain_sql.claim_many(self.tables.processed_events.fullname)
+            .replace("%s::varchar[]", "CAST(:ids AS varchar[])", 1)
+            .replace("%s::varchar[]", "CAST(:hashes AS varchar[])", 1)
+            .replace("%s", ":consumer", 1)
+        )
+        insert = text(f"INSERT INTO {self.ledger} (amount, message_id) VALUES (:n, :m)")
+
+        def commit(sessions: Any, pending: list[tuple[str, bytes]]) -> None:
+            ids = [mid for mid, _ in pending]
+            hashes = plain_sql.hashes(body for _, body in pending)
+            with sessions() as session:
+                params = {"consumer": consumer, "ids": ids, "hashes": hashes}
+                claimed = set(session.execute(claim, params).scalars())
+                for mid, body in pending:
+                    if mid in claimed:
+                        session.execute(insert, {"n": json.loads(body)["amount"], "m": mid})
+                session.commit()
+
+        return self.counted(commit)
+
     def psycopg_alone(self, batch_size: int, bulk: bool = False) -> Callable[[str, int], None]:
         """For scale: the hand-written transactions on in-memory (id, body) pairs, no broker."""
         commit = self.transaction(f"psycopg-alone-{batch_size}-{bulk}", bulk)
@@ -253,13 +283,17 @@ class Bench:
 
         return drain
 
-    def by_hand(self, batch_size: int, bulk: bool = False) -> Callable[[str, int], None]:
+    def by_hand(
+        self, batch_size: int, bulk: bool = False, session: bool = False
+    ) -> Callable[[str, int], None]:
         """Plain pika and plain psycopg doing what the runner does, written out by hand: the
-        business rows with one ``execute`` each, or one ``executemany`` (``bulk``)."""
-        commit = self.transaction(f"by-hand-{batch_size}-{bulk}", bulk)
+        business rows with one ``execute`` each, or one ``executemany`` (``bulk``); with
+        ``session``, through a plain SQLAlchemy Session instead of psycopg."""
+        name = f"by-hand-{batch_size}-{bulk}-{session}"
+        commit = self.session_transaction(name) if session else self.transaction(name, bulk)
 
         def drain(queue: str, count: int) -> None:
-            database = psycopg.connect(self.conninfo)
+            database: Any = sessionmaker(self.engine) if session else psycopg.connect(self.conninfo)
             connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
             channel = connection.channel()
             channel.basic_qos(prefetch_count=PREFETCH)
@@ -283,7 +317,8 @@ class Bench:
             channel.basic_consume(queue, on_message)
             channel.start_consuming()
             connection.close()
-            database.close()
+            if not session:
+                database.close()
 
         return drain
 
@@ -318,6 +353,7 @@ class Bench:
             Scenario(BY_HAND_1, self.by_hand(1)),
             Scenario(RUNNER_100, self.runner(100)),
             Scenario(BY_HAND_100, self.by_hand(100)),
+            Scenario(BY_SESSION_100, self.by_hand(100, session=True)),
             Scenario(BULK_100, self.runner(100, bulk=True)),
             Scenario(BY_HAND_BULK_100, self.by_hand(100, bulk=True)),
             Scenario("plain pika, ack each, no database", self.plain(1), database=False),
@@ -394,6 +430,8 @@ def print_results(scenarios: list[Scenario]) -> None:
         [
             ("one message a transaction", by_name[RUNNER_1], by_name[BY_HAND_1]),
             ("100 a transaction (target >= 0.8)", by_name[RUNNER_100], by_name[BY_HAND_100]),
+            ("100, vs a plain SQLAlchemy Session", by_name[RUNNER_100], by_name[BY_SESSION_100]),
+            ("a plain Session vs plain psycopg", by_name[BY_SESSION_100], by_name[BY_HAND_100]),
             ("100 a transaction, bulk handler", by_name[BULK_100], by_name[BY_HAND_BULK_100]),
         ],
     )
