@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, overload
 
+from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from ..db import before_commit, dialects
@@ -17,6 +18,7 @@ from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .driver_sql import execute_async, sent_first
 from .guard_listeners import guarded_async_sessionmaker
+from .handler_end import after_handler
 from .handler_guard import HandlerCall, pending_writes
 from .handler_kinds import check_awaitable, check_awaited, require_async
 from .ops import (
@@ -155,6 +157,7 @@ class AsyncDedupHandler:
         reply: Any = None
         error: Exception | None = None
         begin = True
+        connection: Connection | None = None  # the attempt's, for after_handler
         while True:
             try:
                 op = attempt.send(reply) if error is None else attempt.throw(error)
@@ -165,9 +168,12 @@ class AsyncDedupHandler:
                 if begin:  # however the session was made; a failure here is the first op's
                     begin = False
                     await session.run_sync(begin_checked, self.dedup.what, sent_first(op))
+                    connection = session.sync_session.connection()  # begun: no I/O
                 reply = await self._carry_out(op, session)
             except Exception as exc:
                 error = exc
+                if isinstance(op, CallHandler | CallBulk):  # its claims may be committed
+                    error = after_handler(connection, session.sync_session, exc)
 
     async def _carry_out(self, op: Op, session: AsyncSession) -> Any:
         match op:

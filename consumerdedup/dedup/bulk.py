@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator, Sequence
+from datetime import datetime
 from typing import Any
 
 from ..errors import BatchMessageFailed
@@ -35,7 +36,7 @@ from ..message import Message
 from ..observe import logger
 from ..retry import RetryPolicy
 from .failures import HandlerFailed, carry
-from .ops import Attempt, AttemptReport, CallBulk, Op, Rollback
+from .ops import Attempt, AttemptReport, CallBulk, Op
 from .pipeline import Pipeline
 from .statements import Statements
 from .states import Batch, Item, State
@@ -67,14 +68,17 @@ class BulkPipeline(Pipeline):
         except NoCulprit:
             return self._bisect(batch, span)
 
-    def _handle(self, items: Sequence[Item]) -> Generator[Op, Any, tuple[Item, Exception] | None]:
-        """The one bulk call; at a failure, roll back and name the culprit (or NoCulprit)."""
+    def _handle(
+        self, items: Sequence[Item], claimed_at: datetime | None
+    ) -> Generator[Op, Any, tuple[Item, Exception] | None]:
+        """The one bulk call; at a failure, roll back (undoing the claims if the call ended
+        the transaction: Pipeline._rolled_back) and name the culprit (or NoCulprit)."""
         if not items:
             return None
         try:
             yield from carry(CallBulk(tuple(item.message for item in items)))
         except HandlerFailed as failed:
-            yield from carry(Rollback())
+            yield from self._rolled_back(failed, items, claimed_at)
             return culprit(items, failed.error)
         return None
 

@@ -5,7 +5,9 @@ value means one of three things, and nothing else in the pipeline reads errors:
 
 - a setup fault (ConfigurationError, or a statement of ours the setup refused):
   raised on, out of the pipeline, to the caller; it is never a message's failure;
-- the handler's failure (HandlerFailed): charged to its message;
+- the handler's failure (HandlerFailed): charged to its message; ``ended`` when the
+  driver found the transaction over after the call (HandlerEnded): the handler may
+  have committed the attempt's claims below the guard, and the pipeline undoes them;
 - the transaction's failure (TransactionFailed): a statement of ours, the
   COMMIT or a ROLLBACK failed; nothing of the transaction stands.
 """
@@ -22,12 +24,29 @@ from .ops import CallBulk, CallHandler, Execute, HandlerRaised, Op
 from .statements import Statements
 
 
-class HandlerFailed(Exception):
-    """The handler's call failed: its own code raised, or it broke the transaction."""
+class HandlerEnded(Exception):
+    """Thrown in by a driver at CallHandler or CallBulk in place of ``error`` when, after
+    the failed call, the transaction is over on a live connection (handler_end): what the
+    handler sent below the guard (a COMMIT through libpq) may have committed the claims."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(error)
         self.error = error
+
+
+class HandlerFailed(Exception):
+    """The handler's call failed: its own code raised, or it broke the transaction.
+
+    ``ended``: the driver found the transaction over after the call (HandlerEnded), so
+    the attempt's claims may have been committed; ``setup``: ``error`` is a setup fault,
+    raised on to the caller once those claims are undone.
+    """
+
+    def __init__(self, error: Exception, ended: bool = False, setup: bool = False) -> None:
+        super().__init__(error)
+        self.error = error
+        self.ended = ended
+        self.setup = setup
 
 
 class TransactionFailed(Exception):
@@ -47,6 +66,12 @@ class StatementRefused(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(error)
         self.error = error
+
+
+class ClaimNotUndone(PermanentError):
+    """The handler ended the transaction (its claims may have committed as PROCESSED), and
+    deleting those claims failed too: the message is FAILED and dead-lettered, so that it
+    is not lost behind a record that says it was processed (forget its key to replay it)."""
 
 
 class RecordRefused(PermanentError):
@@ -71,6 +96,12 @@ def carry(op: Op, *, after_handlers: bool = False) -> Generator[Op, Any, Any]:
 
 
 def _meaning(op: Op, exc: Exception, after_handlers: bool) -> Exception:
+    if isinstance(exc, HandlerEnded):
+        meaning = _meaning(op, exc.error, after_handlers)
+        if isinstance(meaning, HandlerFailed):
+            meaning.ended = True
+            return meaning
+        return HandlerFailed(meaning, ended=True, setup=True)  # a setup fault, raised later
     if isinstance(exc, HandlerRaised):  # the user's code, whatever it raised
         return HandlerFailed(exc.error)
     setup = exc if isinstance(exc, ConfigurationError) else None

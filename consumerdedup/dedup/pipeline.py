@@ -16,20 +16,46 @@ An attempt is claim-first (claim the keys, look up the others, handle, write
 the FAILED records, commit) or check-first (look up the keys, handle, write
 every record, commit). A failure moves the item it is charged to by the table
 in states.py; ``failures.carry`` says which failure an error is.
+
+A handler that ended the transaction below every guard (a COMMIT through libpq
+itself, or a cursor class made by hand: handler_guard) may have committed the
+attempt's claims as PROCESSED before its writes. The driver says so when it
+reads the transaction over after the call (handler_end: HandlerFailed.ended),
+and before anything else happens to the batch (a retry, a bisection, a FAILED
+record) those claims are deleted in a transaction of their own: exactly the
+rows the attempt's claim wrote (statements.unclaims), so its keys are claimable
+again and no redelivery finds them done without their effects. If that fails
+too, the claimed messages end FAILED (ClaimNotUndone), dead-lettered rather
+than lost behind their record. What this does not cover: check-first has no
+claims to undo (the handler's writes that such a COMMIT committed stay, and a
+retry applies them again); the writes any such COMMIT committed stay committed
+(a retry may apply them twice: at least once, not exactly once); a process that
+dies between the handler's COMMIT and the repair leaves the claims PROCESSED,
+and a twin delivery in that window answers DUPLICATE.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator, Sequence
+from datetime import datetime
 from typing import Any
 
-from ..errors import InvalidMessage, RetryLater
+from ..errors import ConfigurationError, InvalidMessage, RetryLater
 from ..message import Message, payload_hash, validate_id
 from ..observe import logger
 from ..outcome import Outcome, Result
 from ..reasons import describe
 from ..retry import ErrorKind, RetryPolicy
-from .failures import HandlerFailed, StatementRefused, TransactionFailed, carry, signature
+from ..schema import utcnow
+from .failures import (
+    ClaimNotUndone,
+    HandlerFailed,
+    StatementRefused,
+    TransactionFailed,
+    carry,
+    signature,
+)
 from .ops import Attempt, AttemptReport, CallHandler, Commit, Op, Rollback
 from .records import Records
 from .statements import Statements
@@ -96,7 +122,8 @@ class Pipeline:
     def _claim_first(self, batch: Batch, span: list[Item]) -> Attempt:
         """Claim the keys (a twin then waits on them), look up the rest, handle, commit."""
         runnable = [item for item in span if item.state is not State.FAILING]
-        claimed = yield from self.records.write(runnable, [])
+        stamp = utcnow()  # the claim's rows carry it: what undoes them matches it
+        claimed = yield from self.records.write(runnable, [], now=stamp)
         unknown = yield from self.records.look_up([i for i in span if i.key not in claimed])
         # A key neither claimed nor recorded was committed by a twin in between; it stays
         # undecided and the next attempt looks again. On an ordered source nothing behind
@@ -105,7 +132,7 @@ class Pipeline:
             yield from carry(Rollback())
             return self._report(batch, backoff=False)
         fresh = [item for item in runnable if item.key in claimed]
-        culprit = yield from self._handle(fresh)
+        culprit = yield from self._handle(fresh, stamp)
         if culprit is not None:
             return self._handler_failed(batch, span, *culprit)
         failing = [item for item in span if item.state is State.FAILING]
@@ -115,21 +142,73 @@ class Pipeline:
         """Look the keys up, handle the unknown ones, write every record last, commit."""
         unknown = yield from self.records.look_up(span)
         fresh = [item for item in unknown if item.state is not State.FAILING]
-        culprit = yield from self._handle(fresh)
+        culprit = yield from self._handle(fresh, None)
         if culprit is not None:
             return self._handler_failed(batch, span, *culprit)
         failing = [item for item in unknown if item.state is State.FAILING]
         return (yield from self._commit(batch, fresh, fresh, failing))
 
-    def _handle(self, items: Sequence[Item]) -> Generator[Op, Any, tuple[Item, Exception] | None]:
-        """Each item's handler in turn; at the first that fails, roll back: it and its error."""
+    def _handle(
+        self, items: Sequence[Item], claimed_at: datetime | None
+    ) -> Generator[Op, Any, tuple[Item, Exception] | None]:
+        """Each item's handler in turn; at the first that fails, roll back: it and its error.
+
+        ``claimed_at``: the items' claims were written at that stamp (claim-first), else None.
+        """
         for item in items:
             try:
                 yield from carry(CallHandler(item.message))
             except HandlerFailed as failed:
-                yield from carry(Rollback())
+                yield from self._rolled_back(failed, items, claimed_at)
                 return item, failed.error
         return None
+
+    def _rolled_back(
+        self, failed: HandlerFailed, claimed: Sequence[Item], claimed_at: datetime | None
+    ) -> Generator[Op, Any, None]:
+        """Roll back after a failed handler call; if the driver found the transaction
+        ended, undo the claims it may have committed (``_unclaim``) before anything else."""
+        if not failed.ended or claimed_at is None or not claimed:
+            yield from carry(Rollback())
+            if failed.setup:
+                raise failed.error
+            return
+        broken: TransactionFailed | None = None
+        try:
+            yield from carry(Rollback())
+        except TransactionFailed as exc:  # the repair is tried all the same, then this
+            broken = exc
+        yield from self._unclaim(claimed, claimed_at)
+        if failed.setup:
+            raise failed.error
+        if broken is not None:
+            raise broken
+
+    def _unclaim(self, claimed: Sequence[Item], claimed_at: datetime) -> Generator[Op, Any, None]:
+        """In a transaction of its own, DELETE the claims ``claimed`` made at ``claimed_at``;
+        if that fails, they end FAILED (ClaimNotUndone) rather than stay done unseen."""
+        try:
+            removed = yield from self.records.unclaim(claimed, claimed_at)
+            yield from carry(Commit())
+        except (TransactionFailed, ConfigurationError) as exc:
+            cause = exc.error if isinstance(exc, TransactionFailed) else exc
+            with contextlib.suppress(TransactionFailed, ConfigurationError):
+                yield from carry(Rollback())  # failing, the connection is gone with it
+            why = ClaimNotUndone(
+                "the handler ended the transaction, which may have committed its claim as "
+                f"processed, and undoing the claim failed ({describe(cause)}): forget the "
+                "key before replaying the message"
+            )
+            why.__cause__ = cause
+            logger.error("%d claims may stand without their work: %s", len(claimed), why)
+            for item in claimed:
+                if item.state is not State.DECIDED:
+                    item.decide(Outcome.FAILED, why)
+            return
+        if removed:
+            logger.warning(
+                "the handler ended the transaction and committed %d claims: deleted", removed
+            )
 
     def _commit(
         self, batch: Batch, handled: list[Item], ours: list[Item], failing: list[Item]
@@ -166,6 +245,8 @@ class Pipeline:
         self, batch: Batch, span: Sequence[Item], culprit: Item, exc: Exception
     ) -> AttemptReport:
         """The culprit runs alone from now on; what precedes it commits first, without waiting."""
+        if culprit.state is State.DECIDED:  # its claim could not be undone (ClaimNotUndone)
+            return self._report(batch, backoff=False)
         transient = self.policy.classify(exc) is ErrorKind.TRANSIENT
         if transient and signature(exc) in batch.spent:
             self._give_up(batch, [culprit], exc)

@@ -29,15 +29,17 @@ class Records:
         failed: Sequence[Item],
         *,
         after_handlers: bool = False,
+        now: datetime | None = None,
     ) -> Generator[Op, Any, set[str]]:
         """INSERT the rows ON CONFLICT DO NOTHING; send back the keys that were ours.
 
         ``processed`` get a PROCESSED row (a claim, or check-first's record after its
         handler), ``failed`` a FAILED row with their failure. On a partitioned table,
         where nothing can conflict, the keys are locked first, and the INSERT skips
-        those any partition already holds. ``after_handlers``: see RecordRefused.
+        those any partition already holds. ``after_handlers``: see RecordRefused. ``now``:
+        the time stamped in the rows (a claim's, which ``unclaim`` matches), else the time.
         """
-        now = utcnow()
+        now = now or utcnow()
         rows = [self._row(item, now, None) for item in processed]
         rows += [self._row(item, now, item.failure) for item in failed]
         if not rows:
@@ -51,6 +53,15 @@ class Records:
             insert = Execute(statement, params, Statements.read_recorded)
             inserted |= yield from carry(insert, after_handlers=after_handlers)
         return inserted
+
+    def unclaim(self, items: Sequence[Item], claimed_at: datetime) -> Generator[Op, Any, int]:
+        """DELETE the claims of ``items`` stamped ``claimed_at`` (statements.unclaims); send
+        back how many rows went (none if they were never committed)."""
+        removed = 0
+        keys = [item.key for item in items]
+        for statement, params in self.statements.unclaims(self.consumer, keys, claimed_at):
+            removed += yield from carry(Execute(statement, params, Statements.read_count))
+        return removed
 
     def look_up(self, items: Sequence[Item]) -> Generator[Op, Any, list[Item]]:
         """Decide the items a record already exists for; send back the others, in order."""

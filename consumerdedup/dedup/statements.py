@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, TextualSelect, bindparam, select
+from sqlalchemy import Delete, Select, TextualSelect, bindparam, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
@@ -66,6 +67,14 @@ class Statements:
             self._lookup = partitioned_statements.lookup(pe)
             self._record = partitioned_statements.record(pe)
         self._lock = partitioned_statements.lock(pe)
+        self._unclaim: Delete = delete(pe).where(
+            pe.c.consumer == bindparam("consumer"),
+            pe.c.message_id.in_(bindparam("keys", expanding=True)),
+            pe.c.processed_at == bindparam("claimed_at"),
+            pe.c.outcome == _PROCESSED,
+            pe.c.error.is_(None),
+        )
+        """Undo an attempt's claims (``unclaims``); off the hot path, so plain Core."""
         self.on_driver = dialect == "postgresql" and not self.serialized
         """The claim, lookup and records go to psycopg itself (driver_sql), keys as arrays:
         one statement whatever the batch's size."""
@@ -146,6 +155,32 @@ class Statements:
     @staticmethod
     def read_recorded(rows: Iterable[Any]) -> set[str]:
         return {key for (key,) in rows}
+
+    def unclaims(
+        self, consumer: str, keys: Sequence[str], claimed_at: datetime
+    ) -> list[tuple[Delete, dict[str, Any]]]:
+        """DELETE the claims one attempt made: its keys, and only rows it wrote itself.
+
+        A claim row is (consumer, key, claimed_at, the payload's hash, PROCESSED, no
+        error), ``claimed_at`` being the one time stamp of the attempt's claim statement.
+        While that row exists the key's primary key keeps any other row out, so a row
+        of the key written by anyone else (a twin runner that claimed it after ours was
+        deleted, say by ``forget``) is told apart by its own time stamp; it is touched only
+        if it was stamped in the very same microsecond. Rows of other consumers are never
+        touched (``consumer``). In as many statements as the parameter limit needs.
+        """
+        size = MAX_PARAMETERS - 4
+        return [
+            (
+                self._unclaim,
+                {"consumer": consumer, "keys": list(keys[i : i + size]), "claimed_at": claimed_at},
+            )
+            for i in range(0, len(keys), size)
+        ]
+
+    @staticmethod
+    def read_count(result: Any) -> int:
+        return int(result.rowcount)
 
     def lock(self, consumer: str, keys: Sequence[str]) -> tuple[TextualSelect, dict[str, Any]]:
         """Serialized claims: lock (consumer, key) on this table until the transaction ends.

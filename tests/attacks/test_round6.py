@@ -13,8 +13,11 @@
   in docs/consumers.md), and the message is then applied once.
 - A bulk handler that empties, shortens, reorders or extends its list: held (its own copy).
 - A COMMIT through libpq itself (``pgconn.exec_``) or a cursor class made directly
-  (``psycopg.Cursor(raw)``): still breaks invariant 1 (xfail, strict); the fix belongs to
-  the guard (see the test's reason).
+  (``psycopg.Cursor(raw)``): not refused, it commits the call's claims as PROCESSED; before,
+  the retry and the redelivery then answered DUPLICATE without the effects. Now the driver
+  reports the ended transaction and the pipeline deletes the attempt's own claims before
+  it goes on (handler_end, pipeline): nothing recorded as done without its effects (the
+  attacks in every mode and driver: test_round6_commit_below).
 """
 
 from __future__ import annotations
@@ -258,12 +261,6 @@ def _own_cursor_commit(raw: Any) -> None:
     psycopg.Cursor(raw).execute("COMMIT")  # a cursor made without the connection's factory
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="below the connection's cursor_factory (libpq's exec_, a cursor class made "
-    "directly) a COMMIT is not refused: it commits the call's claims as PROCESSED; the "
-    "guard sees the ended transaction only afterwards (handler_guard)",
-)
 @pytest.mark.parametrize("commit", [_libpq_commit, _own_cursor_commit], ids=["libpq", "cursor"])
 def test_a_commit_below_the_guarded_cursors_records_nothing_as_done(
     pg: Database, commit: Callable[[Any], None]
