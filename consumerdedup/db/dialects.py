@@ -59,9 +59,25 @@ def require_driver(dialect: Any, what: str) -> None:
         )
 
 
+def require_fixed_schema(options: Any, what: str) -> None:
+    """ConfigurationError if an engine's or connection's execution ``options`` hold a
+    ``schema_translate_map``: our SQL is built once, with the names given to Tables.define,
+    so the map would put the dedup records and outbox events in another schema than the
+    application's writes that should commit with them."""
+    if options.get("schema_translate_map"):
+        raise ConfigurationError(
+            f"{what}: the engine or connection has a schema_translate_map; consumerdedup "
+            "builds its own SQL once, with the table names given to Tables.define, so the map "
+            "does not apply to it; name the schema there (Tables.define("
+            "'tenant.processed_events', 'tenant.outbox')) and give consumerdedup an engine "
+            "without schema_translate_map"
+        )
+
+
 def require_transactional(engine: Engine, what: str, *, driver: bool = True) -> None:
     """At construction: the engine is not AUTOCOMMIT (nor, with ``driver``, on a driver
-    whose transaction state we cannot read)."""
+    whose transaction state we cannot read), and has no schema_translate_map."""
+    require_fixed_schema(engine.get_execution_options(), what)
     if driver:
         require_driver(engine.dialect, what)
     level = engine.get_execution_options().get("isolation_level")
@@ -84,7 +100,9 @@ def require_transaction(conn: Connection, what: str, *, driver: bool = True) -> 
     """
     if driver:
         require_driver(conn.dialect, what)
-    level = conn.get_execution_options().get("isolation_level")
+    options = conn.get_execution_options()
+    require_fixed_schema(options, what)
+    level = options.get("isolation_level")
     driver_connection = conn.connection.driver_connection
     autocommits = level == _AUTOCOMMIT or _driver_autocommits(driver_connection)
     if autocommits and not in_driver_transaction(driver_connection):
@@ -96,8 +114,10 @@ def require_readable(conn: Connection, what: str) -> None:
 
     The dialect's name says which module SQLAlchemy would load; ``module=`` or a
     ``creator=`` returning a wrapper (a tracing proxy) can hand it another kind of
-    connection, on which every check of the transaction would be meaningless.
+    connection, on which every check of the transaction would be meaningless. Nor may it
+    carry a schema_translate_map (require_fixed_schema).
     """
+    require_fixed_schema(conn.get_execution_options(), what)
     driver_connection = conn.connection.driver_connection
     status = getattr(getattr(driver_connection, "info", None), "transaction_status", None)
     readable = status is not None if conn.dialect.name == "postgresql" else None

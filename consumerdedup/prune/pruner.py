@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
 
-from ..db.dialects import require_supported
+from ..db.dialects import require_fixed_schema, require_supported
 from ..errors import ConfigurationError
 from ..lifecycle import StopSwitch
 from ..schema import DEFAULT, Tables, utcnow
@@ -98,6 +98,7 @@ class Pruner(StopSwitch):
     ) -> None:
         super().__init__()
         require_supported(engine.dialect.name)
+        require_fixed_schema(engine.get_execution_options(), "Pruner")
         if config is None:
             if retention is UNSET:
                 raise TypeError("Pruner() needs a retention, or config=PrunerConfig(...)")

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Column, Connection, Engine, Table, insert, select, text, update
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
-from ..db import catalog, sqlite
+from ..db import catalog, dialects, sqlite
 from ..db.names import table_sql
 from ..db.partitions import AHEAD, DayPartitions
 from ..errors import ConfigurationError
@@ -40,6 +40,7 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
         with bind.begin() as conn:
             install(conn, tables)
         return
+    dialects.require_fixed_schema(bind.get_execution_options(), "install")
     _one_install_at_a_time(bind)
     postgres = bind.dialect.name == "postgresql"
     if tables.partitioned and not postgres:
