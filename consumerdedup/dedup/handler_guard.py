@@ -22,12 +22,14 @@ made by hand (``psycopg.Cursor(raw)``): caught at the handler's next statement o
 it returns; what such a commit committed stays committed.
 
 Where the guard sits: its listeners act only on what a handler is handed; they are
-installed once, on the engine and the session factory's class (guard_listeners).
-SQLAlchemy offers ``handle_error`` only for a whole dialect (every connection of an
-engine), so the error a handler swallowed is taken from the statement's own execution
-context instead (``ExecutionContext.handle_dbapi_exception``, set on that one
-statement's context). The driver's transaction state is read locally (driver_state),
-the raw connection's commit() refused for the call (raw_commit).
+installed once, on the engine copy and the session factory's class (guard_listeners).
+On psycopg every statement of the call is watched at the driver connection's cursors,
+which are swapped for the call (raw_commit: the checks above, the error kept, the state
+after it), so a statement costs no SQLAlchemy event dispatch. On SQLite SQLAlchemy's
+cursor events do it; SQLAlchemy offers ``handle_error`` only for a whole dialect (every
+connection of an engine), so the error a handler swallowed is taken from the statement's
+own execution context instead (``ExecutionContext.handle_dbapi_exception``, set on that
+one statement's context). The driver's transaction state is read locally (driver_state).
 """
 
 from __future__ import annotations
