@@ -115,6 +115,7 @@ class Timers:
 
 def split(bench: Any, timers: Timers) -> None:
     """Time the runner's parts (inclusive figures; ``report`` subtracts the nesting)."""
+    from consumerdedup import Message
     from consumerdedup.adapters.rabbitmq import acks, runner
     from consumerdedup.dedup import deduplicator, guard_listeners, handler_guard
     from consumerdedup.dedup.pipeline import Pipeline
@@ -149,6 +150,7 @@ def split(bench: Any, timers: Timers) -> None:
     timers.wrap(bench.engine.dialect, "do_execute", "psycopg: execute (handler)")
     timers.wrap(bench.engine.dialect, "do_commit", "psycopg: commit")
     timers.wrap(guard_listeners.PipelineSession, "flush", "session.flush")
+    timers.wrap(Message, "json", "message.json")
     timers.wrap(guard_listeners.PipelineSession, "execute", "session.execute")
     make_handler = bench.handler
 
@@ -184,7 +186,7 @@ TREE: dict[str, list[str]] = {  # a timed call: the timed calls made inside it
         "session.flush",
         "handler fn",
     ],
-    "handler fn": ["session.execute"],
+    "handler fn": ["session.execute", "message.json"],
     "session.execute": [
         "psycopg: execute (handler)",
         "guard: before_statement",
@@ -211,7 +213,8 @@ LABELS = {
     "guard: verify": "guard: HandlerCall.verify",
     "guard: check_returned": "guard: check_returned",
     "session.flush": "guard: session.flush after the handler",
-    "handler fn": "the handler's own code (json, dict)",
+    "handler fn": "the handler's own code (its dict, the call)",
+    "message.json": "the handler's message.json()",
     "session.execute": "SQLAlchemy: session.execute of the handler's INSERT",
     "psycopg: execute (handler)": "guard: the guarded cursor's watch of the handler's INSERT",
     "psycopg: Cursor.execute": "psycopg: Cursor.execute of the business INSERT",
