@@ -8,7 +8,6 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, overload
 
-from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from ..db import before_commit, dialects
@@ -157,7 +156,6 @@ class AsyncDedupHandler:
         reply: Any = None
         error: Exception | None = None
         begin = True
-        connection: Connection | None = None  # the attempt's, for after_handler
         while True:
             try:
                 op = attempt.send(reply) if error is None else attempt.throw(error)
@@ -168,12 +166,11 @@ class AsyncDedupHandler:
                 if begin:  # however the session was made; a failure here is the first op's
                     begin = False
                     await session.run_sync(begin_checked, self.dedup.what, sent_first(op))
-                    connection = session.sync_session.connection()  # begun: no I/O
                 reply = await self._carry_out(op, session)
             except Exception as exc:
                 error = exc
                 if isinstance(op, CallHandler | CallBulk):  # its claims may be committed
-                    error = after_handler(connection, session.sync_session, exc)
+                    error = after_handler(session.sync_session, exc)
 
     async def _carry_out(self, op: Op, session: AsyncSession) -> Any:
         match op:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from ..db import before_commit, dialects
@@ -154,7 +154,6 @@ class DedupHandler:
         reply: Any = None
         error: Exception | None = None
         begin = True
-        connection: Connection | None = None  # the attempt's, for after_handler
         while True:
             try:
                 op = attempt.send(reply) if error is None else attempt.throw(error)
@@ -165,12 +164,11 @@ class DedupHandler:
                 if begin:  # however the session was made; a failure here is the first op's
                     begin = False
                     begin_checked(session, self.dedup.what, pipelined=sent_first(op))
-                    connection = session.connection()  # begun: no I/O
                 reply = self._carry_out(op, session)
             except Exception as exc:
                 error = exc
                 if isinstance(op, CallHandler | CallBulk):  # its claims may be committed
-                    error = after_handler(connection, session, exc)
+                    error = after_handler(session, exc)
 
     def _carry_out(self, op: Op, session: Session) -> Any:
         match op:

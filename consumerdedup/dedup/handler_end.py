@@ -11,7 +11,6 @@ which the server rolls back) leaves the failure as it was.
 
 from __future__ import annotations
 
-from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from ..errors import TransactionBroken
@@ -19,26 +18,30 @@ from .driver_state import idle
 from .failures import HandlerEnded
 
 
-def after_handler(connection: Connection | None, session: Session, error: Exception) -> Exception:
+def after_handler(session: Session, error: Exception) -> Exception:
     """``error``, or HandlerEnded(error) if the transaction may have been committed in the
-    handler call that raised it.
+    handler call that raised it; read only then, from the session and the driver.
 
-    ``connection`` is the attempt's connection, taken when its transaction began. Ended:
-    the session gave it back (the handler rolled back or closed the session: what it
-    sent before is unknown, so fail closed), or the driver says no transaction is open on
-    it although it is live. Not ended: the driver says open or aborted, the connection
-    was lost (invalidated, or psycopg's UNKNOWN), or SQLAlchemy rolled back itself after a
-    failed flush with no sign of the guard having seen the transaction end first.
+    Ended: the session's transaction is gone (the handler rolled back or closed the
+    session: what it sent before that is unknown, so fail closed), or the driver says no
+    transaction is open on its live connection. Not ended: the driver says open or
+    aborted; the connection was lost (invalidated, or psycopg's UNKNOWN: the server rolls
+    back); SQLAlchemy rolled back itself after a failed flush, unless the guard's
+    TransactionBroken is in ``error``'s chain (it saw the transaction end first).
     """
-    if connection is None:
-        return error
-    if connection.closed:
-        return HandlerEnded(error)
-    if connection.invalidated or not idle(connection):
-        return error
     transaction = session.get_transaction()
-    if transaction is not None and not transaction.is_active and not _broken(error):
-        return error  # a failed flush: SQLAlchemy's own rollback, after the guard saw it open
+    if transaction is None:
+        return HandlerEnded(error)
+    if not transaction.is_active:  # a failed flush: SQLAlchemy's own rollback
+        return HandlerEnded(error) if _broken(error) else error
+    try:
+        connection = session.connection()  # the transaction's own: no I/O
+        if connection.closed:
+            return HandlerEnded(error)
+        if connection.invalidated or not idle(connection):
+            return error
+    except Exception:  # a state we cannot read: fail closed (undoing costs one DELETE)
+        pass
     return HandlerEnded(error)
 
 

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Column, MetaData, String, Table, text
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome, Result, RetryPolicy
 from consumerdedup.dedup.failures import ClaimNotUndone
@@ -433,3 +434,62 @@ def test_a_commit_and_begin_below_the_guards_is_not_seen(ledger: Database) -> No
     messages = [Message(id=f"m{i}", body=b"{}") for i in range(3)]
     first, again = place.process_batch(messages), place.process_batch(messages)
     assert_nothing_done_without_effects(ledger, first + again)
+
+
+@pytest.mark.parametrize("mode", ["claim", "bulk"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_commit_below_the_guards_then_an_orm_write_undoes_the_claims(
+    ledger: Database, kind: str, mode: str
+) -> None:
+    """The COMMIT, then an ORM object added: its flush (after the handler returns) is
+    refused, SQLAlchemy rolls the session back itself (an inactive transaction), and the
+    claims that COMMIT committed are undone all the same."""
+
+    class Base(DeclarativeBase):
+        metadata = MetaData(schema=ledger.schema)
+
+    class Row(Base):
+        __tablename__ = "ledger"
+        mid: Mapped[str] = mapped_column(String, primary_key=True)
+
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(3)]
+
+    def write(batch: list[Message], session: Any) -> Any:
+        if any(m.id == "m1" for m in batch):
+            raw = session.sync_session if kind == "async" else session
+            raw.connection().connection.driver_connection.pgconn.exec_(b"COMMIT")
+        session.add_all([Row(mid=m.id) for m in batch])
+
+    if kind == "sync":
+        dedup = Deduplicator(ledger.engine, "round6", tables=ledger.tables, retry=FAST)
+        handler = (
+            dedup.bulk_handler(write)
+            if mode == "bulk"
+            else dedup.handler(lambda m, s: write([m], s))
+        )
+        first, again = handler.process_batch(messages), handler.process_batch(messages)
+    else:
+
+        async def go() -> tuple[list[Result], list[Result]]:
+            engine = create_async_engine(ledger.async_url)
+            dedup = AsyncDeduplicator(engine, "round6", tables=ledger.tables, retry=FAST)
+
+            async def bulk(batch: list[Message], session: Any) -> None:
+                write(batch, session)
+
+            async def one(message: Message, session: Any) -> None:
+                write([message], session)
+
+            handler: Any = dedup.bulk_handler(bulk) if mode == "bulk" else dedup.handler(one)
+            try:
+                return await handler.process_batch(messages), await handler.process_batch(messages)
+            finally:
+                await engine.dispose()
+
+        first, again = asyncio.run(go())
+    assert [r.outcome for r in first] == [
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+    ], [r.reason for r in first]
+    assert_sound(ledger, first, again)
