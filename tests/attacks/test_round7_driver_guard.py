@@ -644,3 +644,24 @@ def test_async_misbehaviour_fails_its_message_alone(ledger: Database, how: str) 
 
     first, again = asyncio.run(go())
     assert_culprit_alone(ledger, first, again)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a handler outlasting idle_in_transaction_session_timeout (the documented bound on "
+    "a slow handler) kills the connection; the error surfaces at the next statement, "
+    "another message's, and the batch-mate before the culprit ends RETRY on every "
+    "delivery of the batch (never decided), the culprit RETRY too",
+)
+@pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
+def test_a_handler_killed_by_the_idle_timeout_fails_alone(
+    ledger: Database, one: Engine, claim_first: bool
+) -> None:
+    def misbehave(session: Any, _raw: Any) -> None:
+        session.execute(text("SET LOCAL idle_in_transaction_session_timeout = '100ms'"))
+        time.sleep(0.4)
+
+    first, again = run_batch(ledger, one, misbehave, claim_first)
+    assert outcomes(first)[0] is Outcome.PROCESSED, first[0].reason
+    assert outcomes(again)[0] is Outcome.DUPLICATE
+    assert_nothing_done_without_effects(ledger, first + again)
