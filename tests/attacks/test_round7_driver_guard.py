@@ -665,3 +665,20 @@ def test_a_handler_killed_by_the_idle_timeout_fails_alone(
     assert outcomes(first)[0] is Outcome.PROCESSED, first[0].reason
     assert outcomes(again)[0] is Outcome.DUPLICATE
     assert_nothing_done_without_effects(ledger, first + again)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the text check decodes a bytes query as UTF-8 whatever the connection's "
+    "client_encoding: under SJIS, 0x95 0x5C is one character to the server but a backslash "
+    "to the check, which then reads the COMMIT after it as inside E'...': the COMMIT is "
+    "sent, commits m0's and m1's writes (caught only after it), m0 applied twice, m1 FAILED "
+    "with its write committed once per attempt",
+)
+def test_a_commit_hidden_by_the_client_encoding_is_refused(ledger: Database, one: Engine) -> None:
+    def misbehave(_session: Any, raw: Any) -> None:
+        raw.execute("SET LOCAL client_encoding TO 'SJIS'")
+        raw.execute(b"SELECT E'\x95\\' ; COMMIT; SELECT 'x'")
+
+    first, again = run_batch(ledger, one, misbehave)
+    assert_culprit_alone(ledger, first, again)
