@@ -882,3 +882,51 @@ def test_held_back_outbox_events_stay_in_their_schema(
     handle = _tenant_handler(engine, a, b, "raw", claim_first=claim_first, keyed_event=True)
     handle(Message(id="m0", body=b"{}"))
     assert _rows(engine, f"SELECT key FROM {b}.outbox") == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a thread the handler started rolls the raw connection back after the handler "
+    "returned, before the pipeline's COMMIT: the COMMIT finds no transaction (the driver in "
+    "autocommit for the checkout) and raises nothing, and the message is reported PROCESSED "
+    "with neither its effects nor its record",
+)
+@pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
+def test_a_rollback_from_the_handlers_thread_before_commit_is_not_reported_processed(
+    ledger: Database, one: Engine, claim_first: bool
+) -> None:
+    from sqlalchemy import event
+
+    dedup = Deduplicator(one, "round7", tables=ledger.tables, retry=FAST)
+    insert = insert_sql(ledger)
+    go, done = threading.Event(), threading.Event()
+    armed: list[bool] = []
+
+    def at_commit(_conn: Any) -> None:
+        # The application's own listener, used here only to time the thread's rollback:
+        # it lands between the handler's return and the pipeline's COMMIT.
+        if armed:
+            armed.clear()
+            go.set()
+            done.wait(5)
+
+    event.listen(one, "commit", at_commit)
+
+    @dedup.handler(claim_first=claim_first)
+    def handle(message: Message, session: Any) -> None:
+        session.execute(insert, {"m": message.id})
+        raw = raw_of(session)
+
+        def roll_back_later() -> None:
+            go.wait(5)
+            raw.rollback()
+            done.set()
+
+        threading.Thread(target=roll_back_later, daemon=True).start()
+        armed.append(True)
+
+    results = handle.process_batch(msgs("m0"))
+    assert go.is_set()
+    assert_nothing_done_without_effects(ledger, results)
+    if results[0].outcome is Outcome.PROCESSED:
+        assert recorded(ledger) == {"m0": "processed"}
