@@ -930,3 +930,43 @@ def test_a_rollback_from_the_handlers_thread_before_commit_is_not_reported_proce
     assert_nothing_done_without_effects(ledger, results)
     if results[0].outcome is Outcome.PROCESSED:
         assert recorded(ledger) == {"m0": "processed"}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the session handed to the handler stays usable once the pipeline is done with "
+    "it: a thread the handler started writes through it and commits (a new transaction, "
+    "unguarded): a FAILED message with its effect committed, once per attempt",
+)
+def test_the_handlers_session_is_dead_once_the_pipeline_is_done_with_it(
+    ledger: Database, one: Engine
+) -> None:
+    dedup = Deduplicator(one, "round7", tables=ledger.tables, retry=FAST)
+    insert = insert_sql(ledger)
+    threads: list[threading.Thread] = []
+    late: list[str] = []
+
+    @dedup.handler
+    def handle(message: Message, session: Any) -> None:
+        session.execute(insert, {"m": message.id})
+
+        def write_later() -> None:
+            time.sleep(0.3)  # the pipeline has rolled back and recorded FAILED by now
+            try:
+                session.execute(insert, {"m": f"{message.id}-late"})
+                session.commit()
+                late.append("committed")
+            except Exception as error:
+                late.append(repr(error))
+
+        thread = threading.Thread(target=write_later, daemon=True)
+        threads.append(thread)
+        thread.start()
+        raise ValueError("the message fails")
+
+    assert outcomes(handle.process_batch(msgs("m0"))) == [Outcome.FAILED]
+    for thread in threads:
+        thread.join(5)
+    assert late
+    assert recorded(ledger) == {"m0": "failed"}
+    assert effects(ledger) == [], "FAILED has its record and no effects"
