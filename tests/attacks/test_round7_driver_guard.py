@@ -970,3 +970,37 @@ def test_the_handlers_session_is_dead_once_the_pipeline_is_done_with_it(
     assert late
     assert recorded(ledger) == {"m0": "failed"}
     assert effects(ledger) == [], "FAILED has its record and no effects"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the outer handler rolled its session back (its connection back in the pool) and "
+    "then ran another deduplicator's handler, which checks out that same raw connection: "
+    "the inner call's end puts the outer call's refusal of commit() back on it before the "
+    "inner pipeline commits, so the innocent inner message is FAILED with nothing recorded "
+    "(lost), and the outer is blamed for a raw commit() it never called",
+)
+@pytest.mark.parametrize("end", ["rollback", "close"])
+def test_a_nested_deduplicator_after_the_outer_session_ended_still_commits(
+    ledger: Database, one: Engine, end: str
+) -> None:
+    outer = Deduplicator(one, "outer", tables=ledger.tables, retry=FAST)
+    inner = Deduplicator(one, "inner", tables=ledger.tables, retry=FAST)
+    insert = insert_sql(ledger)
+    seen: list[Result] = []
+
+    @inner.handler
+    def inner_handle(message: Message, session: Any) -> None:
+        session.execute(insert, {"m": f"inner-{message.id}"})
+
+    @outer.handler
+    def outer_handle(message: Message, session: Any) -> None:
+        session.execute(insert, {"m": f"outer-{message.id}"})
+        session.rollback() if end == "rollback" else session.close()
+        seen.append(inner_handle.process(message))
+
+    (result,) = outer_handle.process_batch(msgs("m0"))
+    assert result.outcome is Outcome.FAILED
+    assert "commit()" not in (result.reason or ""), result.reason
+    assert seen[0].outcome is Outcome.PROCESSED, seen[0].reason
+    assert effects(ledger) == ["inner-m0"]
