@@ -30,6 +30,24 @@ Breaks (xfail strict, see each reason):
 - A handler that sets ``raw.cursor_factory`` back to a plain class: its COMMIT as SQL
   (SQLAlchemy's ``text("COMMIT")`` included) is no longer watched; it commits, the claims
   are undone afterwards, and a batch-mate's writes apply twice.
+- The same stale restore with no thread: a handler that rolled back or closed its session
+  and then runs another deduplicator's handler (which checks out that raw connection): the
+  inner message is FAILED with nothing recorded, the outer blamed for a raw commit().
+- A thread the handler started rolls the raw connection back between the handler's
+  return and the pipeline's COMMIT: nothing is committed (the driver is in autocommit,
+  the COMMIT finds no transaction and raises nothing), reported PROCESSED.
+- The session handed to the handler stays usable after the pipeline: a thread of the
+  handler's writes through it and commits: a FAILED message with its effect committed.
+- A handler outlasting ``idle_in_transaction_session_timeout``: the connection dies, the
+  error surfaces at another message's statement, and the batch-mate before the culprit
+  is RETRY on every delivery of the batch.
+- A bytes query under ``SET LOCAL client_encoding TO 'SJIS'`` hides a COMMIT from the text
+  check (decoded as UTF-8, 0x95 0x5C reads as a backslash): sent, caught only after.
+- A keyed ``Outbox.add`` held back to COMMIT survives a savepoint rolled back through
+  psycopg (``raw.transaction()``, SAVEPOINT/ROLLBACK TO on the raw connection).
+- ``SET LOCAL search_path`` in a handler (unqualified default table names, a schema per
+  tenant): check-first's record goes to the other tenant's processed_events (any route),
+  and held-back keyed outbox events to its outbox (raw route); claim-first's record held.
 - (Minor) An error swallowed at a server-side cursor's fetch, in a psycopg pipeline or
   at a COPY: FAILED as it should, but the reason does not name the error (the fetch, the
   pipeline's sync and the COPY block's end are not watched).
@@ -38,8 +56,9 @@ Held (regression tests): raw ``rollback()`` in a batch, a deferred constraint fa
 COMMIT, errors swallowed through stream_results / pipeline / COPY / statement_timeout,
 transaction-control SQL through every watched route (SQLAlchemy text, exec_driver_sql,
 raw execute, executemany, ClientCursor via the factory, named cursors, stream, pipeline),
-``Connection.commit()``, raw ``commit()``, ``raw.transaction()``, a nested deduplicator,
-a bulk handler's misbehaving message.
+``Connection.commit()``, raw ``commit()``, ``raw.transaction()``, PREPARE TRANSACTION, a
+killed backend, a nested deduplicator, a bulk handler's misbehaving message, async
+variants, an async handler cancelled mid-statement.
 """
 
 from __future__ import annotations
@@ -525,6 +544,9 @@ def _broken(how: str) -> Callable[[Any, Any], None]:
         elif how == "raw_rollback_then_write":
             raw.rollback()
             raw.execute("INSERT INTO pg_temp.nothing VALUES (1)")
+        elif how == "terminate":
+            with contextlib.suppress(DBAPIError):
+                session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
         elif how == "deferred":
             uniq = ledger_of(session).name("round7_uniq")
             session.execute(text(f"INSERT INTO {uniq} VALUES ('x'), ('x')"))
@@ -542,7 +564,7 @@ def ledger_of(_session: Any) -> Database:
 
 
 BROKEN = ["raw_rollback", "raw_rollback_then_write", "deferred", *SWALLOWED_ROUTES]
-BROKEN.append("statement_timeout")
+BROKEN += ["statement_timeout", "terminate"]
 
 
 @pytest.mark.parametrize("how", BROKEN)
