@@ -36,8 +36,9 @@ Breaks (xfail strict, see each reason):
 - A thread the handler started rolls the raw connection back between the handler's
   return and the pipeline's COMMIT: nothing is committed (the driver is in autocommit,
   the COMMIT finds no transaction and raises nothing), reported PROCESSED.
-- The session handed to the handler stays usable after the pipeline: a thread of the
-  handler's writes through it and commits: a FAILED message with its effect committed.
+- The session handed to the handler stays usable after the pipeline (sync and async): a
+  thread or task of the handler's writes through it and commits: a FAILED message with its
+  effect committed.
 - A handler outlasting ``idle_in_transaction_session_timeout``: the connection dies, the
   error surfaces at another message's statement, and the batch-mate before the culprit
   is RETRY on every delivery of the batch.
@@ -1026,3 +1027,41 @@ def test_a_nested_deduplicator_after_the_outer_session_ended_still_commits(
     assert "commit()" not in (result.reason or ""), result.reason
     assert seen[0].outcome is Outcome.PROCESSED, seen[0].reason
     assert effects(ledger) == ["inner-m0"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="async: an asyncio task the handler started writes through its AsyncSession "
+    "after the pipeline is done and commits: FAILED with its effect, once per attempt",
+)
+def test_the_handlers_async_session_is_dead_once_the_pipeline_is_done(ledger: Database) -> None:
+    insert = insert_sql(ledger)
+
+    async def go() -> list[Result]:
+        engine = create_async_engine(ledger.async_url, pool_size=1, max_overflow=0)
+        dedup = AsyncDeduplicator(engine, "round7", tables=ledger.tables, retry=FAST)
+        tasks: list[asyncio.Task[None]] = []
+
+        @dedup.handler
+        async def handle(message: Message, session: Any) -> None:
+            await session.execute(insert, {"m": message.id})
+
+            async def write_later() -> None:
+                await asyncio.sleep(0.3)
+                with contextlib.suppress(Exception):
+                    await session.execute(insert, {"m": f"{message.id}-late"})
+                    await session.commit()
+
+            tasks.append(asyncio.create_task(write_later()))
+            raise ValueError("the message fails")
+
+        try:
+            results = await handle.process_batch(msgs("m0"))
+            await asyncio.gather(*tasks)
+            return results
+        finally:
+            await engine.dispose()
+
+    assert outcomes(asyncio.run(go())) == [Outcome.FAILED]
+    assert recorded(ledger) == {"m0": "failed"}
+    assert effects(ledger) == [], "FAILED has its record and no effects"
