@@ -77,10 +77,11 @@ def require_fixed_schema(options: Any, what: str) -> None:
 def require_transactional(engine: Engine, what: str, *, driver: bool = True) -> None:
     """At construction: the engine is not AUTOCOMMIT (nor, with ``driver``, on a driver
     whose transaction state we cannot read), and has no schema_translate_map."""
-    require_fixed_schema(engine.get_execution_options(), what)
     if driver:
         require_driver(engine.dialect, what)
-    level = engine.get_execution_options().get("isolation_level")
+    options = engine.get_execution_options()
+    require_fixed_schema(options, what)
+    level = options.get("isolation_level")
     if level is None:
         # create_engine(isolation_level=...) is applied to each new DB-API connection.
         level = getattr(engine.dialect, "_on_connect_isolation_level", None)
