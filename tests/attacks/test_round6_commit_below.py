@@ -493,3 +493,22 @@ def test_a_commit_below_the_guards_then_an_orm_write_undoes_the_claims(
         Outcome.PROCESSED,
     ], [r.reason for r in first]
     assert_sound(ledger, first, again)
+
+
+@pytest.mark.parametrize("mode", ["claim", "bulk"])
+def test_a_commit_below_the_guards_on_a_partitioned_table(
+    pg_partitioned: Database, mode: str
+) -> None:
+    """processed_events partitioned by day (claims serialized on advisory locks): the
+    claims are undone alike."""
+    with pg_partitioned.engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {pg_partitioned.name('ledger')} (mid TEXT)"))
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(4)]
+    first, again = run(pg_partitioned, "sync", mode, "after-write", "libpq", {"m1"}, messages)
+    assert [r.outcome for r in first] == [
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+    ], [r.reason for r in first]
+    assert_sound(pg_partitioned, first, again)
