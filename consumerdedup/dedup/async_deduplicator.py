@@ -16,9 +16,9 @@ from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .driver_sql import execute_async, sent_first
-from .guard_listeners import guarded_async_sessionmaker
+from .guard_listeners import guarded_async_sessionmaker, spend
 from .handler_end import after_handler
-from .handler_guard import HandlerCall, pending_writes
+from .handler_guard import attempt_call, end_calls, pending_writes
 from .handler_kinds import check_awaitable, check_awaited, require_async
 from .ops import (
     Attempt,
@@ -34,7 +34,7 @@ from .ops import (
 from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
-from .transaction_start import begin_checked, release_async
+from .transaction_start import begin_checked, release_async, require_open
 
 AsyncHandlerFn = Callable[[Message, AsyncSession], Awaitable[Any]]
 AsyncBulkHandlerFn = Callable[[list[Message], AsyncSession], Awaitable[Any]]
@@ -151,6 +151,7 @@ class AsyncDedupHandler:
             finally:  # a reused session (scoped_session) must not hold writes back later
                 before_commit.discard(session)
                 await release_async(session.sync_session)
+                spend(session.sync_session)
 
     async def _drive(self, attempt: Attempt, session: AsyncSession) -> AttemptReport:
         reply: Any = None
@@ -179,7 +180,9 @@ class AsyncDedupHandler:
             case CallHandler(message):
                 return await self._call(message, session)
             case Commit():
+                end_calls(session.sync_session)
                 await before_commit.flush_async(session)
+                require_open(session.sync_session)
                 return await session.commit()
             case Rollback():
                 before_commit.discard(session)
@@ -192,7 +195,7 @@ class AsyncDedupHandler:
     async def _guarded(self, fn: Any, argument: Any, session: AsyncSession) -> None:
         """One call of a handler function under the guard (a message, or a bulk's list)."""
         # Our statement has run in this transaction: its connection is there, no await needed.
-        call = HandlerCall(session.sync_session, session.sync_session.connection())
+        call = attempt_call(session.sync_session)
         try:
             with handler_code():
                 returned = fn(argument, session)

@@ -16,9 +16,9 @@ from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
 from .driver_sql import execute, sent_first
-from .guard_listeners import guarded_sessionmaker
+from .guard_listeners import guarded_sessionmaker, spend
 from .handler_end import after_handler
-from .handler_guard import HandlerCall
+from .handler_guard import attempt_call, end_calls
 from .handler_kinds import check_returned, require_blocking
 from .ops import (
     Attempt,
@@ -34,7 +34,7 @@ from .ops import (
 from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
-from .transaction_start import begin_checked, release
+from .transaction_start import begin_checked, release, require_open
 
 HandlerFn = Callable[[Message, Session], Any]
 BulkHandlerFn = Callable[[list[Message], Session], Any]
@@ -149,6 +149,7 @@ class DedupHandler:
             finally:  # a reused session (scoped_session) must not hold writes back later
                 before_commit.discard(session)
                 release(session)
+                spend(session)
 
     def _drive(self, attempt: Attempt, session: Session) -> AttemptReport:
         reply: Any = None
@@ -177,7 +178,9 @@ class DedupHandler:
             case CallHandler(message):
                 return self._call(message, session)
             case Commit():
+                end_calls(session)
                 before_commit.flush(session)
+                require_open(session)
                 return session.commit()
             case Rollback():
                 before_commit.discard(session)
@@ -189,7 +192,7 @@ class DedupHandler:
 
     def _guarded(self, fn: Any, argument: Any, session: Session) -> None:
         """One call of a handler function under the guard (a message, or a bulk's list)."""
-        call = HandlerCall(session, session.connection())
+        call = attempt_call(session)
         try:
             with handler_code():
                 returned = fn(argument, session)

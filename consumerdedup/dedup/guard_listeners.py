@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..db import pipelined_begin
+from ..errors import TransactionBroken
 
 CALL = "consumerdedup.handler_call"
 """In ``session.info`` and the connection's ``info``: the HandlerCall running on it."""
@@ -63,6 +64,26 @@ def _route_connection(method: str) -> Callable[..., None]:
     return listener
 
 
+_SPENT = "consumerdedup.spent"
+"""In a PipelineSession's ``info``: its attempt is over."""
+
+
+def _refuse_spent(session: Session, _transaction: Any, connection: Connection) -> None:
+    if session.info.get(_SPENT):
+        connection.close()  # back to the pool at once, rolled back, not left to the GC
+        raise TransactionBroken(
+            "a session handed to a handler was used after the pipeline was done with it (a "
+            "thread or task the handler left running?): its writes would commit apart from "
+            "any record; do all of a message's work inside its handler call"
+        )
+
+
+def spend(session: Session) -> None:
+    """The attempt on ``session`` is over: if it is one of ours, it begins nothing more."""
+    if isinstance(session, PipelineSession):
+        session.info[_SPENT] = True
+
+
 SESSION_EVENTS = [
     ("before_commit", _route_session("refuse_commit")),
     ("after_begin", _route_session("refuse_second_connection")),
@@ -85,7 +106,9 @@ def _listen_once(target: Any, events: list[tuple[str, Any]]) -> None:
 
 
 class PipelineSession(Session):
-    """The session class of a deduplicator's own factory: it carries the listeners."""
+    """The session class of a deduplicator's own factory: it carries the listeners. Once
+    its attempt is over (``spend``), it begins no transaction: a session a handler kept (a
+    thread, a task) would commit its writes apart from any record."""
 
 
 def statements_on_driver(engine: Engine) -> bool:
@@ -120,6 +143,7 @@ def guarded_async_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncS
 
 
 _listen_once(PipelineSession, SESSION_EVENTS)
+event.listen(PipelineSession, "after_begin", _refuse_spent)
 
 
 def watch_session(session: Session) -> None:

@@ -65,18 +65,41 @@ _UNWATCHED = (
     "creator= wrapper): the handler's statements cannot be watched; give the engine the "
     "DB-API module its dialect loads itself"
 )
+_ATTEMPT = "consumerdedup.attempt_call"
+"""In ``session.info``: the HandlerCall of the attempt running on that session."""
 _IDLE = 0
 _LIVE = (1, 2, 3)
 """psycopg's ACTIVE, INTRANS and INERROR (``pgconn.transaction_status``): a transaction is
 still there (IDLE, 0, is none; UNKNOWN, 4, a lost connection)."""
 
 
+def attempt_call(session: Session) -> HandlerCall:
+    """The guard of the handler calls of the attempt running on ``session`` (an
+    AsyncSession's sync_session): made at its first call, reused for the next ones (the
+    listeners' routes, the driver's swapped cursors and refused commit stay in place,
+    which costs nothing per statement in between), until ``end_calls``."""
+    call: HandlerCall | None = session.info.get(_ATTEMPT)
+    if call is None:
+        call = session.info[_ATTEMPT] = HandlerCall(session, session.connection())
+    else:
+        call.again()
+    return call
+
+
+def end_calls(session: Session) -> None:
+    """The attempt commits, rolls back or is over: lift its handler calls' guard."""
+    call: HandlerCall | None = session.info.pop(_ATTEMPT, None)
+    if call is not None:
+        call.lift()
+
+
 class HandlerCall:
-    """Around one handler call: refuse commits during it, then check the transaction.
+    """Around an attempt's handler calls: refuse commits during them, check the transaction
+    after each (``finish``, ``verify``).
 
     ``connection`` is the session's connection in this transaction (for an
-    AsyncSession, its ``sync_connection``), taken before the call. Their listeners
-    route events to this call from here until ``finish``.
+    AsyncSession, its ``sync_connection``), taken before the first call. Their listeners
+    route events to this call from here until ``lift``.
     """
 
     def __init__(self, session: Session, connection: Connection) -> None:
@@ -104,13 +127,17 @@ class HandlerCall:
         self.second_connection = False
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = connection.info
-        # Checked in, the pool's fairy lets go of its DB-API connection: the handler gave the
-        # connection back, and what is sent on it next may be someone else's.
         self._fairy: Any = connection.connection
-        self._dbapi = self._fairy.dbapi_connection
         self._raw: Any = self._fairy.driver_connection
         self._unlock, on_driver = refuse_raw_commit(self._raw, self)
-        if not on_driver:  # SQLite: SQLAlchemy's cursor events (on psycopg, its cursors)
+        self._lifted = False
+        if on_driver:
+            # Given back to the pool while the attempt runs (the handler's rollback() or
+            # close()), the connection could go to another checkout still carrying this
+            # call's guard, and the handler could go on sending on it: it is discarded.
+            self._record = self._fairy._connection_record
+            self._record.finalize_callback.append(self._given_back)
+        else:  # SQLite: SQLAlchemy's cursor events (on psycopg, its cursors)
             if statements_on_driver(connection.engine):  # pragma: no cover - require_driver
                 self._unlock()
                 raise ConfigurationError(_UNWATCHED)
@@ -118,17 +145,49 @@ class HandlerCall:
         watch_session(session)
         session.info[CALL] = self.info[CALL] = self
 
+    def again(self) -> None:
+        """Before the next handler call of the same attempt: the guard stayed in place since
+        the last one returned, so whatever ran on the connection in between was watched
+        too (a thread the last handler left running); the transaction must still be open."""
+        if self.ended or state_of(self._raw) != OPEN:
+            self.ended = self.ended or "the transaction ended between two handler calls"
+            raise TransactionBroken(
+                f"{self.ended} (a thread or callback of an earlier handler still using the "
+                "session?): the pipeline must commit each handler's writes with its record"
+            )
+        self.swallowed = None
+        self.statement = ("", None, False)
+
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
 
         A second connection is a setup fault, whatever the handler made of it:
         ConfigurationError, so that no message is recorded for it.
         """
-        self.session.info.pop(CALL, None)
-        self.info.pop(CALL, None)
-        self._unlock()
         if self.second_connection:
             raise ConfigurationError(_TWO_CONNECTIONS)
+
+    def lift(self) -> None:
+        """The attempt's handler calls are over: the session, the connection and the driver
+        are left as they were (end_calls)."""
+        self.session.info.pop(CALL, None)
+        self.info.pop(CALL, None)
+        if not self._lifted:
+            self._lifted = True
+            self._unlock()
+
+    def _given_back(self, _dbapi_connection: Any) -> None:
+        """The pool takes the connection back (psycopg): after ``lift``, as it should be;
+        before it, the handler gave it back, and it is invalidated (closed: whatever the
+        handler sends on it next fails, and the pool opens a new one for the next checkout)."""
+        if self._lifted:
+            return
+        self._lifted = True
+        self.ended = self.ended or (
+            "the handler gave the session's connection back to the pool (rollback or close)"
+        )
+        self._unlock()
+        self._record.invalidate(TransactionBroken(self.ended))
 
     def verify(self) -> None:
         """Raise TransactionBroken if the handler returned with the transaction unusable."""
@@ -223,8 +282,6 @@ class HandlerCall:
     # Statements at the psycopg connection's cursors (raw_commit) ------------------------------
 
     def before_sql(self, sql: str, parameters: Any, executemany: bool) -> None:
-        if self._fairy.dbapi_connection is not self._dbapi:
-            return  # the handler gave the connection back, and it is someone else's now
         self._refuse_after_end()
         if self._raw.pgconn.transaction_status == _IDLE:
             self._ended_outside()
@@ -232,16 +289,12 @@ class HandlerCall:
         self.statement = (sql, parameters, executemany)
 
     def failed_sql(self, error: BaseException) -> None:
-        if self._fairy.dbapi_connection is not self._dbapi:
-            return
         self.swallowed = (error, *self.statement)
         raw = self._raw
         if not (raw.closed or raw.broken) and raw.pgconn.transaction_status not in _LIVE:
             self.ended = "the database rolled the transaction back after an error"
 
     def after_sql(self) -> None:
-        if self._fairy.dbapi_connection is not self._dbapi:
-            return
         if self._raw.pgconn.transaction_status not in _LIVE:
             self._ended_by_statement()
 

@@ -13,17 +13,18 @@ connection that takes neither is refused: the guard cannot hold on it.
 
 Transaction-control SQL through the raw connection (``execute("COMMIT")``): SQLite's
 authorizer denies it on both drivers (aiosqlite's sqlite3 connection gets the same
-authorizer); psycopg's cursors, which its ``execute()`` uses too, are made for the call
-from a subclass of the connection's ``cursor_factory`` that reads each statement's text
-(db.control_sql) before sending it. Not refused: libpq itself (``pgconn.exec_``).
+authorizer); on psycopg, every cursor the connection makes for the call (its
+``cursor()``, which its ``execute()`` and SQLAlchemy use, named server-side cursors too,
+whatever class ``cursor_factory`` names, even one the handler set) has its class swapped
+for a subclass that reads each statement's text (db.control_sql) before sending it. Not
+refused: libpq itself (``pgconn.exec_``) and a cursor class instantiated by hand
+(``psycopg.Cursor(raw)``); a commit through them is found afterwards (handler_end).
 
 On psycopg those cursors are where the guard watches every statement of the call, the
 handler's through SQLAlchemy included (``StatementWatch``): checked before it is sent,
 its error kept, the transaction's state read after it. SQLAlchemy's cursor events would
 do the same one level up, at about 20 us a statement of event dispatch (measured), and
 the text would be read twice; so on psycopg they are not listened for (guard_listeners).
-The server-side cursors (``server_cursor_factory``: SQLAlchemy's ``stream_results``) are
-watched the same way.
 """
 
 from __future__ import annotations
@@ -71,9 +72,7 @@ def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], Non
     of ``raw`` is watched at its cursors (psycopg) from now on."""
     coroutine = _psycopg_commit_kind(raw)
     if coroutine is not None:
-        lifted = _watch_psycopg(raw, watch, coroutine)
-        if lifted is not None:
-            return lifted, True
+        return _watch_psycopg(raw, watch, coroutine), True
     refuse = watch.refuse_raw_end
     if isinstance(raw, sqlite3.Connection):
         return _deny_on_sqlite(raw, refuse), False
@@ -107,37 +106,50 @@ def _psycopg_commit_kind(raw: Any) -> bool | None:
     connection's); None for any other driver. Judged once per class."""
     kind = type(raw)
     if kind not in _psycopg_kinds:
-        psycopg_like = hasattr(raw, "pgconn") and hasattr(raw, "server_cursor_factory")
+        psycopg_like = hasattr(raw, "pgconn") and callable(getattr(raw, "cursor", None))
         commit = getattr(raw, "commit", None)
         _psycopg_kinds[kind] = inspect.iscoroutinefunction(commit) if psycopg_like else None
     return _psycopg_kinds[kind]
 
 
-def _watch_psycopg(raw: Any, watch: StatementWatch, coroutine: bool) -> Callable[[], None] | None:
-    """A psycopg connection guarded for one call: its commit() refused, its cursors (both
-    factories) watching every statement. Whatever a call around this one had set is put back
-    at the end (a handler that runs another deduplicator's handler on the same connection).
-    None, and nothing changed, if a cursor factory is not a class."""
-    base, server = raw.cursor_factory, raw.server_cursor_factory
-    if not (isinstance(base, type) and isinstance(server, type)):
-        return None
+def _watch_psycopg(raw: Any, watch: StatementWatch, coroutine: bool) -> Callable[[], None]:
+    """A psycopg connection guarded for one call: its commit() refused, and every cursor it
+    makes (``cursor()``, which its ``execute()`` and SQLAlchemy use, whatever class the
+    handler set as ``cursor_factory``) turned into a watching one. Whatever a call around
+    this one had set is put back at the end (a handler that runs another deduplicator's
+    handler on the same connection)."""
     own = vars(raw)
-    before = own.get("commit"), own.get(_WATCH)
+    before = own.get("commit"), own.get("cursor"), own.get(_WATCH)
     own["commit"] = functools.partial(_refuse_async if coroutine else _refuse_now, watch)
+    own["cursor"] = functools.partial(_watching_cursor, raw)
     own[_WATCH] = watch
-    raw.cursor_factory = _guarded.get(base) or _guarded_cursor(base)
-    raw.server_cursor_factory = _guarded.get(server) or _guarded_cursor(server)
 
     def unlock() -> None:
-        for name, value in zip(("commit", _WATCH), before, strict=True):
+        for name, value in zip(("commit", "cursor", _WATCH), before, strict=True):
             if value is None:
                 own.pop(name, None)
             else:
                 own[name] = value
-        raw.cursor_factory = base
-        raw.server_cursor_factory = server
 
     return unlock
+
+
+def _watching_cursor(raw: Any, *args: Any, **kwargs: Any) -> Any:
+    """``raw.cursor(...)`` as the driver makes it, its class then swapped for the watching
+    subclass of that class (the same layout: no instance state added)."""
+    cursor = type(raw).cursor(raw, *args, **kwargs)
+    kind = type(cursor)
+    guarded = _guarded.get(kind) or _guarded_cursor(kind)
+    if guarded is not kind:
+        try:
+            cursor.__class__ = guarded
+        except TypeError as exc:  # a cursor class whose layout cannot take a subclass
+            cursor.close()
+            raise ConfigurationError(
+                f"{kind.__name__}: a cursor of this class cannot be watched while a handler "
+                f"runs ({exc}); use psycopg's own cursor classes as the cursor_factory"
+            ) from exc
+    return cursor
 
 
 def _refuse_now(watch: StatementWatch, *_args: Any, **_kwargs: Any) -> None:
@@ -171,20 +183,7 @@ def _refuse_sql(raw: Any, watch: StatementWatch) -> tuple[Callable[[], None], bo
                 f"aiosqlite: a COMMIT sent through the raw connection cannot be refused while "
                 f"a handler runs ({exc}); leave check_same_thread to aiosqlite"
             ) from exc
-    base = getattr(raw, "cursor_factory", None)
-    server = getattr(raw, "server_cursor_factory", None)
-    if not (isinstance(base, type) and isinstance(server, type) and hasattr(raw, "pgconn")):
-        return (lambda: None), False  # neither psycopg nor aiosqlite: commit() was all it had
-    vars(raw)[_WATCH] = watch
-    raw.cursor_factory = _guarded_cursor(base)
-    raw.server_cursor_factory = _guarded_cursor(server)
-
-    def lift() -> None:
-        vars(raw).pop(_WATCH, None)
-        raw.cursor_factory = base
-        raw.server_cursor_factory = server
-
-    return lift, True
+    return (lambda: None), False  # neither psycopg nor aiosqlite: commit() was all it had
 
 
 def _guarded_cursor(base: type) -> type:
@@ -232,6 +231,7 @@ def _guarded_cursor(base: type) -> type:
         name: method(name) for name in _CURSOR_METHODS if hasattr(base, name)
     }
     namespace["_consumerdedup_guarded"] = True
+    namespace["__slots__"] = ()  # the layout of ``base``: an instance's class can be swapped
     _guarded[base] = guarded = type(base.__name__, (base,), namespace)
     return guarded
 
@@ -241,7 +241,9 @@ def _text(cursor: Any, query: Any) -> str:
     if isinstance(query, str):
         return query
     if isinstance(query, bytes | bytearray | memoryview):
-        return bytes(query).decode("utf-8", "replace")
+        # As the server will read them: in the connection's client encoding (SJIS and
+        # others have multibyte characters whose second byte is a backslash or a quote).
+        return bytes(query).decode(cursor.connection.info.encoding, "replace")
     if callable(getattr(query, "as_string", None)):  # psycopg.sql.Composable
         return str(query.as_string(cursor))
     return str(query)

@@ -14,8 +14,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from ..db import dialects, pipelined_begin, sqlite
-from ..errors import AuthenticationFailed, ConfigurationError
+from ..errors import AuthenticationFailed, ConfigurationError, TransactionBroken
 from ..reasons import authentication_refused, describe
+from .driver_state import ABORTED, ENDED, OPEN, driver_state
+from .handler_guard import end_calls
 
 _MAY_PASS = (
     sa_exc.DBAPIError,
@@ -73,10 +75,28 @@ def begin_checked(session: Session, what: str, pipelined: bool = False) -> None:
     dialects.require_transaction(connection, what)
 
 
+def require_open(session: Session) -> None:
+    """Right before our COMMIT: the driver still says the transaction is open. A COMMIT
+    with none open commits nothing and raises nothing (psycopg sends none; in autocommit
+    PostgreSQL only warns), and every message would be reported done with neither its
+    effects nor its record: a rollback by something the pipeline cannot see (a thread the
+    handler left running, on the raw connection) since the last handler call returned."""
+    state = driver_state(session.connection()) if session.in_transaction() else ENDED
+    if state != OPEN:
+        raise TransactionBroken(
+            "the transaction was "
+            + ("aborted" if state == ABORTED else "over")
+            + " before the pipeline's COMMIT (a thread or callback of a handler still using "
+            "the session or its raw connection?): nothing of it is reported done"
+        )
+
+
 def release(session: Session) -> None:
     """Before the session lets the connection go (a rollback, the attempt's end): a
     transaction SQLAlchemy counts as over but the driver not (a handler's refused
-    ``connection.commit()``) is rolled back on the driver (db.pipelined_begin)."""
+    ``connection.commit()``) is rolled back on the driver (db.pipelined_begin). The
+    attempt's handler guard is lifted first."""
+    end_calls(session)
     session.info.pop(PENDING_BEGIN, None)
     connection = session.info.pop(AUTOCOMMIT_CONNECTION, None)
     if connection is not None:
@@ -85,6 +105,7 @@ def release(session: Session) -> None:
 
 async def release_async(session: Session) -> None:
     """``release`` for an AsyncSession's sync_session."""
+    end_calls(session)
     session.info.pop(PENDING_BEGIN, None)
     connection = session.info.pop(AUTOCOMMIT_CONNECTION, None)
     if connection is not None:

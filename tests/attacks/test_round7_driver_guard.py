@@ -1,49 +1,38 @@
 """Round 7: the handler guard watching psycopg's cursors (raw_commit, handler_guard).
 
-On psycopg the guard no longer listens to SQLAlchemy's cursor events: for each handler
-call the driver connection's ``cursor_factory``/``server_cursor_factory`` are swapped for
-watching subclasses and its ``commit()`` is replaced on the instance; the deduplicator's
+On psycopg the guard no longer listens to SQLAlchemy's cursor events: while an attempt's
+handlers run, every cursor the driver connection makes is a watching one and its
+``commit()`` is replaced on the instance; the deduplicator's
 own checkout runs with the driver in autocommit (pipelined BEGIN). Attacked through the
 public API on the real PostgreSQL, with a pool of one connection (so the next checkout,
 the pipeline's or the application's, gets the very connection a handler used).
 
-Breaks (xfail strict, see each reason):
+Found and fixed in this round (now regression tests):
 
-- A handler that ends its session (``session.close()``/``rollback()``) and then writes
-  through the raw connection: the guard skips its checks once the pool took the
-  connection back (``before_sql``: "someone else's now") instead of refusing, so the
-  write opens a transaction on the pooled connection, and the pipeline's FAILED record
-  commits with it (FAILED with effects; applied once per attempt).
-- Two calls on one raw connection at once (a handler that rolled back or closed its
-  session while another thread's message took the connection): the guard's per-call
-  swap of ``commit``/``cursor_factory``/the watch is undone in the wrong order. The
-  first call's end lifts the second call's guard mid-handler (its ``COMMIT`` as SQL goes
-  through), and the second call's end puts the first call's refusal of ``commit()`` back
-  on the connection for good: the innocent message is FAILED with nothing recorded, and
-  every later transaction on that pooled connection (the application's own
-  ``engine.begin()`` included) fails at COMMIT with CommitInHandler.
-- A thread a handler started, writing through a cursor it made in the call after the
-  handler returned: the write succeeds into whatever transaction the connection is in
-  next (another message's) and is lost when that one rolls back.
+- A handler that gives its connection back (``session.close()``/``rollback()``) while its
+  attempt runs: the connection could go to another checkout still carrying the call's
+  guard (an innocent message FAILED unrecorded, a pooled connection refusing every later
+  COMMIT), and the handler could go on writing on it. Now the pool's checkin discards it
+  (invalidated): the handler's later statements fail, the next checkout gets a new one.
+- A handler that sets ``raw.cursor_factory`` to another class: every cursor the connection
+  makes for the call is now made watching, whatever the factory (its class swapped).
+- A bytes query hiding a COMMIT under ``client_encoding`` SJIS: decoded in the
+  connection's encoding, as the server reads it.
+- The session handed to a handler used after the pipeline was done with it (a thread, a
+  task): a deduplicator's own session begins no transaction once its attempt is over.
+
+Still open (xfail strict, see each reason):
+
+- A thread the handler started, writing through a cursor it made in the call after the
+  handler returned: the write lands in whatever transaction the connection is in next.
 - A handler in a batch that sends ``ROLLBACK TO SAVEPOINT`` to a savepoint a batch-mate's
   handler left open: the batch-mate's effects are undone and it is still PROCESSED.
-- A handler that sets ``raw.cursor_factory`` back to a plain class: its COMMIT as SQL
-  (SQLAlchemy's ``text("COMMIT")`` included) is no longer watched; it commits, the claims
-  are undone afterwards, and a batch-mate's writes apply twice.
-- The same stale restore with no thread: a handler that rolled back or closed its session
-  and then runs another deduplicator's handler (which checks out that raw connection): the
-  inner message is FAILED with nothing recorded, the outer blamed for a raw commit().
-- A thread the handler started rolls the raw connection back between the handler's
-  return and the pipeline's COMMIT: nothing is committed (the driver is in autocommit,
-  the COMMIT finds no transaction and raises nothing), reported PROCESSED.
-- The session handed to the handler stays usable after the pipeline (sync and async): a
-  thread or task of the handler's writes through it and commits: a FAILED message with its
-  effect committed.
+- A thread of the handler's rolling the raw connection back inside the pipeline's COMMIT
+  (after the check that the transaction is still open, timed by a commit listener):
+  nothing is committed and it is reported PROCESSED.
 - A handler outlasting ``idle_in_transaction_session_timeout``: the connection dies, the
   error surfaces at another message's statement, and the batch-mate before the culprit
   is RETRY on every delivery of the batch.
-- A bytes query under ``SET LOCAL client_encoding TO 'SJIS'`` hides a COMMIT from the text
-  check (decoded as UTF-8, 0x95 0x5C reads as a backslash): sent, caught only after.
 - A keyed ``Outbox.add`` held back to COMMIT survives a savepoint rolled back through
   psycopg (``raw.transaction()``, SAVEPOINT/ROLLBACK TO on the raw connection).
 - ``SET LOCAL search_path`` in a handler (unqualified default table names, a schema per
@@ -143,12 +132,6 @@ def wait_for_the_other_call_to_end(raw: Any) -> None:
 # Breaks -------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after session.close() the guard skips a raw write (the pool took the connection "
-    "back) instead of refusing it: it opens a transaction on the pooled connection and "
-    "commits with the message's FAILED record, once per attempt",
-)
 @pytest.mark.parametrize("end", ["close", "rollback"])
 def test_a_raw_write_after_the_session_ended_never_commits(
     ledger: Database, one: Engine, end: str
@@ -178,11 +161,6 @@ def test_a_raw_write_after_the_session_ended_never_commits(
     assert effects(ledger) == ["ok"], "FAILED has its record and no effects"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="async: after session.close() a raw write is not refused: it commits with the "
-    "FAILED record (once per attempt)",
-)
 def test_a_raw_write_after_the_session_closed_never_commits_async(ledger: Database) -> None:
     insert = insert_sql(ledger)
 
@@ -210,13 +188,6 @@ def test_a_raw_write_after_the_session_closed_never_commits_async(ledger: Databa
     assert effects(ledger) == ["ok"], "FAILED has its record and no effects"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two HandlerCalls on one raw connection (A rolled back its session, B's message "
-    "took the connection): A's finish lifts B's guard and B's finish restores A's refusal "
-    "of commit() for good: B FAILED with nothing recorded, the pooled connection refuses "
-    "every later COMMIT (the application's own too), C FAILED",
-)
 @pytest.mark.parametrize("end", ["rollback", "close"])
 def test_a_handler_that_gives_its_connection_back_leaves_other_messages_alone(
     ledger: Database, one: Engine, end: str
@@ -253,12 +224,6 @@ def test_a_handler_that_gives_its_connection_back_leaves_other_messages_alone(
     assert recorded(ledger) == {"A": "failed", "B": "processed", "C": "processed"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="once A's call ended, B's guard on the same raw connection is lifted: B's "
-    "session.execute(text('COMMIT')) is not refused; B reported FAILED (ClaimNotUndone) "
-    "while its row says PROCESSED",
-)
 def test_a_commit_as_sql_stays_refused_while_another_call_ends(
     ledger: Database, one: Engine
 ) -> None:
@@ -519,13 +484,6 @@ def test_transaction_control_through_a_watched_route_fails_its_message_alone(
     app_commit_works(ledger, one)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the handler sets raw.cursor_factory back to a plain class (psycopg.ClientCursor): "
-    "its COMMIT, and every later statement of the call (SQLAlchemy's too), is unwatched; the "
-    "COMMIT commits m0's and m1's writes, the claims are undone and m0 runs again: m0 applied "
-    "twice, m1 FAILED with its write committed",
-)
 @pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
 def test_a_handler_cannot_put_an_unwatched_cursor_factory_back(
     ledger: Database, one: Engine, claim_first: bool
@@ -699,14 +657,6 @@ def test_a_handler_killed_by_the_idle_timeout_fails_alone(
     assert_nothing_done_without_effects(ledger, first + again)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the text check decodes a bytes query as UTF-8 whatever the connection's "
-    "client_encoding: under SJIS, 0x95 0x5C is one character to the server but a backslash "
-    "to the check, which then reads the COMMIT after it as inside E'...': the COMMIT is "
-    "sent, commits m0's and m1's writes (caught only after it), m0 applied twice, m1 FAILED "
-    "with its write committed once per attempt",
-)
 def test_a_commit_hidden_by_the_client_encoding_is_refused(ledger: Database, one: Engine) -> None:
     def misbehave(_session: Any, raw: Any) -> None:
         raw.execute("SET LOCAL client_encoding TO 'SJIS'")
@@ -955,12 +905,6 @@ def test_a_rollback_from_the_handlers_thread_before_commit_is_not_reported_proce
         assert recorded(ledger) == {"m0": "processed"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the session handed to the handler stays usable once the pipeline is done with "
-    "it: a thread the handler started writes through it and commits (a new transaction, "
-    "unguarded): a FAILED message with its effect committed, once per attempt",
-)
 def test_the_handlers_session_is_dead_once_the_pipeline_is_done_with_it(
     ledger: Database, one: Engine
 ) -> None:
@@ -995,14 +939,6 @@ def test_the_handlers_session_is_dead_once_the_pipeline_is_done_with_it(
     assert effects(ledger) == [], "FAILED has its record and no effects"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the outer handler rolled its session back (its connection back in the pool) and "
-    "then ran another deduplicator's handler, which checks out that same raw connection: "
-    "the inner call's end puts the outer call's refusal of commit() back on it before the "
-    "inner pipeline commits, so the innocent inner message is FAILED with nothing recorded "
-    "(lost), and the outer is blamed for a raw commit() it never called",
-)
 @pytest.mark.parametrize("end", ["rollback", "close"])
 def test_a_nested_deduplicator_after_the_outer_session_ended_still_commits(
     ledger: Database, one: Engine, end: str
@@ -1029,11 +965,6 @@ def test_a_nested_deduplicator_after_the_outer_session_ended_still_commits(
     assert effects(ledger) == ["inner-m0"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="async: an asyncio task the handler started writes through its AsyncSession "
-    "after the pipeline is done and commits: FAILED with its effect, once per attempt",
-)
 def test_the_handlers_async_session_is_dead_once_the_pipeline_is_done(ledger: Database) -> None:
     insert = insert_sql(ledger)
 
