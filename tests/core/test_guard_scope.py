@@ -95,11 +95,10 @@ def listeners_on(target: Session | Connection | Engine) -> int:
 
 def connection_watched(connection: Connection) -> bool:
     """The handler's statements on ``connection`` are watched: through SQLAlchemy's events
-    (SQLite), or at the psycopg connection's cursors (its cursor_factory swapped for the
-    call, put back after it)."""
+    (SQLite), or at the psycopg connection's cursors (its ``cursor()`` made watching on the
+    instance while the attempt's handlers run, taken off after)."""
     raw: Any = connection.connection.driver_connection
-    factory = getattr(raw, "cursor_factory", None)
-    return listeners_on(connection) > 0 or bool(getattr(factory, "_consumerdedup_guarded", False))
+    return listeners_on(connection) > 0 or "cursor" in vars(raw)
 
 
 def assert_engine_untouched(engine: Engine) -> None:
@@ -125,6 +124,8 @@ def test_other_sessions_in_the_same_thread_commit_freely(db: Database) -> None:
     assert handle(order("m1")) is Outcome.PROCESSED
     assert during[0][0] > 0 and during[0][1]  # the guard was there
     assert_engine_untouched(db.engine)
+    raw: Any = shared.connection().connection.driver_connection
+    assert not {"cursor", "commit"} & set(vars(raw)), "the driver carries nothing of the guard"
     shared.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('shared')"))
     shared.commit()
     shared.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('shared-conn')"))
