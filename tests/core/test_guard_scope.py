@@ -125,7 +125,7 @@ def test_other_sessions_in_the_same_thread_commit_freely(db: Database) -> None:
     assert during[0][0] > 0 and during[0][1]  # the guard was there
     assert_engine_untouched(db.engine)
     raw: Any = shared.connection().connection.driver_connection
-    assert not {"cursor", "commit"} & set(vars(raw)), "the driver carries nothing of the guard"
+    assert not {"cursor", "commit"} & set(getattr(raw, "__dict__", {})), "nothing of the guard"
     shared.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('shared')"))
     shared.commit()
     shared.execute(text(f"INSERT INTO {ledger} (message_id) VALUES ('shared-conn')"))
