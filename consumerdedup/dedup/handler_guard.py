@@ -19,7 +19,11 @@ SQL sent through the raw connection (its ``execute()`` and cursors: raw_commit).
 refused in advance: the raw ``rollback()`` (SQLAlchemy's own rollback goes through it),
 and on psycopg a COMMIT sent through libpq itself (``pgconn.exec_``) or a cursor class
 made by hand (``psycopg.Cursor(raw)``): caught at the handler's next statement or when
-it returns; what such a commit committed stays committed.
+it returns. The claims such a commit committed are deleted before the pipeline goes on
+(handler_end, pipeline); the handler's own writes it committed stay, and may apply again
+on the retry. Not covered: a crash between that commit and the repair (the claims stay
+PROCESSED), and a COMMIT followed by a BEGIN through libpq (the driver then reports a
+transaction open, so nothing is seen).
 
 Where the guard sits: its listeners act only on what a handler is handed; they are
 installed once, on the engine copy and the session factory's class (guard_listeners).
