@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, Table
+from sqlalchemy import exc as sa_exc
 
 from ..errors import AuthenticationFailed, ConfigurationError
 from ..prune.windows import BrokerRetention
@@ -128,7 +129,12 @@ def startup_checks(
     except Exception as error:
         return [*found, _not_reached(engine, error)]
     with conn:
-        return [*found, *_connected_startup_checks(conn, tables, needed)]
+        try:
+            return [*found, *_connected_startup_checks(conn, tables, needed)]
+        except sa_exc.DBAPIError as error:
+            if not _outage(error):
+                raise
+            return [*found, _not_reached(engine, error)]
 
 
 async def startup_checks_async(
@@ -145,8 +151,18 @@ async def startup_checks_async(
         return [*found, _not_reached(engine.sync_engine, error)]
     try:
         return [*found, *await conn.run_sync(_connected_startup_checks, tables, needed)]
+    except sa_exc.DBAPIError as error:
+        if not _outage(error):
+            raise
+        return [*found, _not_reached(engine.sync_engine, error)]
     finally:
         await conn.close()
+
+
+def _outage(error: sa_exc.DBAPIError) -> bool:
+    """The connection was lost while the checks ran (a killed backend, a restarting server):
+    an outage, as a connect() that fails is, not a fault of the setup."""
+    return bool(error.connection_invalidated) or isinstance(error, sa_exc.OperationalError)
 
 
 def _not_reached(engine: Engine, error: Exception) -> Check:

@@ -86,3 +86,45 @@ def test_connections_killed_repeatedly_mid_stream_lose_nothing(pg: Any) -> None:
     assert pg.scalar(f"SELECT sum(amount) FROM {ledger}") == sum(range(total))
     assert broker.held("payments") == 0
     assert broker.messages("payments.dlq") == []
+
+
+def test_a_connection_killed_during_the_start_checks_is_an_outage_not_a_setup_fault(
+    pg: Any,
+) -> None:
+    """The start checks' connection dies under them (the flake of the stream test above,
+    made certain): a WARN the process's own retry takes from there, then the runner runs.
+    Before, the lost connection's OperationalError came out of ``run()``."""
+    from sqlalchemy import event
+
+    from consumerdedup.doctor import WARN, require_startup, startup_checks
+
+    ledger = pg.create_ledger()
+    engine = create_engine(pg.url, pool_size=1, max_overflow=0)
+    kills = {"left": 2}  # startup_checks, then require_startup: each loses its connection
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def kill_first(conn: Any, *_args: Any) -> None:
+        if kills["left"] and not conn.info.get("killed"):
+            kills["left"] -= 1
+            conn.info["killed"] = True
+            conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    found = {c.name: c.status for c in startup_checks(engine, pg.tables)}
+    assert found["database"] == WARN, found
+    require_startup(engine, pg.tables)  # raises nothing: an outage is the retry's to judge
+    event.remove(engine, "before_cursor_execute", kill_first)
+    dedup = Deduplicator(engine, consumer="ledger", tables=pg.tables)
+
+    @dedup.handler
+    def handle(message: Message, session: Session) -> None:
+        session.execute(
+            text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)"),
+            {"m": message.id},
+        )
+
+    broker = MemoryBroker()
+    broker.publish("payments", b"{}", message_id="m-1")
+    MemoryConsumerRunner(handle, "payments", broker=broker).run(until_idle=True)
+    engine.dispose()
+    assert pg.scalar(f"SELECT count(*) FROM {ledger}") == 1
+    assert kills["left"] == 0
