@@ -22,7 +22,11 @@ _PSYCOPG_STATES = {2: OPEN, 1: OPEN, 3: ABORTED}
 
 def idle(connection: Connection) -> bool:
     """The driver says no transaction is open, on a healthy connection."""
-    driver_connection = connection.connection.driver_connection
+    return idle_of(connection.connection.driver_connection)
+
+
+def idle_of(driver_connection: object) -> bool:
+    """``idle`` of a DB-API driver's own connection."""
     pgconn = getattr(driver_connection, "pgconn", None)
     if pgconn is not None:
         return int(pgconn.transaction_status) == 0  # IDLE (UNKNOWN, 4, is a lost connection)

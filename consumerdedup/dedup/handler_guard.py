@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from ..db.control_sql import transaction_control
 from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
 from ..reasons import describe
-from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle, state_of
+from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle, idle_of, state_of
 from .guard_listeners import CALL, statements_on_driver, watch_connection, watch_session
 from .raw_commit import refuse_raw_commit
 
@@ -71,10 +71,6 @@ _UNWATCHED = (
 )
 _ATTEMPT = "consumerdedup.attempt_call"
 """In ``session.info``: the HandlerCall of the attempt running on that session."""
-_IDLE = 0
-_LIVE = (1, 2, 3)
-"""psycopg's ACTIVE, INTRANS and INERROR (``pgconn.transaction_status``): a transaction is
-still there (IDLE, 0, is none; UNKNOWN, 4, a lost connection)."""
 
 
 def attempt_call(session: Session) -> HandlerCall:
@@ -113,10 +109,12 @@ class HandlerCall:
         # Our claim or lookup has run in this transaction: a driver that does not say it is
         # open now is one whose state we cannot read (a DB-API swapped in through module= or
         # creator=): refused, as every check below would be meaningless on it.
-        if state_of(connection.connection.driver_connection) != OPEN:
+        self._fairy: Any = connection.connection
+        self._raw: Any = self._fairy.driver_connection
+        if state_of(self._raw) != OPEN:
             raise ConfigurationError(
                 f"{connection.dialect.name}+{connection.dialect.driver}: the connection "
-                f"({type(connection.connection.driver_connection).__name__}) does not report "
+                f"({type(self._raw).__name__}) does not report "
                 "the open transaction before the handler runs, so whether the handler's work "
                 "can commit cannot be verified; give the engine the DB-API module its dialect "
                 "loads itself (no module=, and no creator= returning a wrapper around the "
@@ -131,8 +129,6 @@ class HandlerCall:
         self.second_connection = False
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = connection.info
-        self._fairy: Any = connection.connection
-        self._raw: Any = self._fairy.driver_connection
         self._unlock, on_driver = refuse_raw_commit(self._raw, self)
         self._lifted = False
         if on_driver:
@@ -287,7 +283,7 @@ class HandlerCall:
 
     def before_sql(self, sql: str, parameters: Any, executemany: bool) -> None:
         self._refuse_after_end()
-        if self._raw.pgconn.transaction_status == _IDLE:
+        if idle_of(self._raw):
             self._ended_outside()
         self._refuse_control(sql, "postgresql")
         self.statement = (sql, parameters, executemany)
@@ -295,11 +291,11 @@ class HandlerCall:
     def failed_sql(self, error: BaseException) -> None:
         self.swallowed = (error, *self.statement)
         raw = self._raw
-        if not (raw.closed or raw.broken) and raw.pgconn.transaction_status not in _LIVE:
+        if not (raw.closed or raw.broken) and state_of(raw) == ENDED:
             self.ended = "the database rolled the transaction back after an error"
 
     def after_sql(self) -> None:
-        if self._raw.pgconn.transaction_status not in _LIVE:
+        if state_of(self._raw) == ENDED:
             self._ended_by_statement()
 
     # The checks both routes make ------------------------------------------------------------

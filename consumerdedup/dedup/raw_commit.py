@@ -89,13 +89,13 @@ def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], Non
                 "a handler could commit apart from the dedup record; use the DB-API module "
                 "its dialect loads itself"
             ) from exc
-    lift, watched = _refuse_sql(raw, watch)
+    lift = _refuse_sql(raw, refuse)
 
     def unlock() -> None:
         vars(raw).pop("commit", None)
         lift()
 
-    return unlock, watched
+    return unlock, False
 
 
 _psycopg_kinds: dict[type, bool | None] = {}
@@ -171,19 +171,19 @@ def _deny_on_sqlite(raw: sqlite3.Connection, refuse: Refuse) -> Callable[[], Non
     return lambda: raw.set_authorizer(None)
 
 
-def _refuse_sql(raw: Any, watch: StatementWatch) -> tuple[Callable[[], None], bool]:
-    """The driver's own ways to send SQL: denied COMMIT for the call; on psycopg, every
-    statement watched (``watch``)."""
+def _refuse_sql(raw: Any, refuse: Refuse) -> Callable[[], None]:
+    """aiosqlite's own way to send SQL (its thread's sqlite3 connection): COMMIT denied for
+    the call. (psycopg's cursors are watched by ``_watch_psycopg``.)"""
     inner = getattr(raw, "_conn", None)
-    if isinstance(inner, sqlite3.Connection):  # aiosqlite: its thread's sqlite3 connection
+    if isinstance(inner, sqlite3.Connection):
         try:
-            return _deny_on_sqlite(inner, watch.refuse_raw_end), False
+            return _deny_on_sqlite(inner, refuse)
         except sqlite3.ProgrammingError as exc:  # made with check_same_thread=True
             raise ConfigurationError(
                 f"aiosqlite: a COMMIT sent through the raw connection cannot be refused while "
                 f"a handler runs ({exc}); leave check_same_thread to aiosqlite"
             ) from exc
-    return (lambda: None), False  # neither psycopg nor aiosqlite: commit() was all it had
+    return lambda: None  # neither psycopg nor aiosqlite: commit() was all it had
 
 
 def _guarded_cursor(base: type) -> type:
