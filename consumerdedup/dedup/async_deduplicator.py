@@ -180,8 +180,8 @@ class AsyncDedupHandler:
             case CallHandler(message):
                 return await self._call(message, session)
             case Commit():
+                await before_commit.flush_async(session)  # still guarded: refused if it ended
                 end_calls(session.sync_session)
-                await before_commit.flush_async(session)
                 require_open(session.sync_session)
                 return await session.commit()
             case Rollback():

@@ -178,8 +178,8 @@ class DedupHandler:
             case CallHandler(message):
                 return self._call(message, session)
             case Commit():
+                before_commit.flush(session)  # still guarded: refused if it ended
                 end_calls(session)
-                before_commit.flush(session)
                 require_open(session)
                 return session.commit()
             case Rollback():
