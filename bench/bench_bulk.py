@@ -39,6 +39,7 @@ import psycopg
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import sessionmaker
 
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outbox, Outcome, Tables, install
 from consumerdedup.db import before_commit
@@ -51,6 +52,7 @@ DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BATCH = 500
 PLAIN_TARGET = 0.7  # bulk handler / plain psycopg, at least
 BATCH_TARGET = 5.0  # bulk handler / .batch(500), at least
+BY_HAND = "ceiling: a plain Session by hand, 500"
 
 
 def make_messages(tag: str, count: int) -> list[Message]:
@@ -139,6 +141,26 @@ class Bench:
                     claimed = {r[0] for r in cur.fetchall()}
                     cur.executemany(raw_insert, [row(m) for m in part if m.id in claimed])
 
+        # The ceiling for a bulk handler that writes through a Session: the same multi-row
+        # claim and the same executemany, by hand through a plain Session (no framework).
+        factory = sessionmaker(self.engine, expire_on_commit=False)
+        hand_claim = text(
+            f"INSERT INTO {self.schema}.processed_events (consumer, message_id, processed_at, "
+            "payload_hash, outcome, error) SELECT 'hand', m, now(), h, 'processed', NULL "
+            "FROM unnest(CAST(:ids AS varchar[]), CAST(:hashes AS varchar[])) AS t(m, h) "
+            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+        )
+
+        def by_hand(messages: Sequence[Message]) -> None:
+            for part in chunks(messages, BATCH):
+                with factory() as session:
+                    ids = [m.id for m in part]
+                    hashes = plain_sql.hashes(m.body for m in part)
+                    rows = session.execute(hand_claim, {"ids": ids, "hashes": hashes})
+                    claimed = set(rows.scalars())
+                    session.execute(insert, [row(m) for m in part if m.id in claimed])
+                    session.commit()
+
         def checked(outcomes: list[Outcome]) -> None:
             if any(o is not Outcome.PROCESSED for o in outcomes):
                 raise SystemExit(f"BENCH FAILED: not every message processed: {set(outcomes)}")
@@ -159,6 +181,7 @@ class Bench:
             "bulk handler, 500": run_bulk,
             "bulk handler, 500 (async)": run_abulk,
             "plain psycopg, claim + executemany, 500": plain,
+            BY_HAND: by_hand,
             ".batch(500), per-message handler": run_batch,
         }
 
@@ -296,6 +319,14 @@ def main() -> None:
             (f"bulk / plain psycopg (target >= {PLAIN_TARGET}x)", bulk, plain),
             (f"bulk / .batch(500) (target >= {BATCH_TARGET}x)", bulk, batch),
             ("async bulk / blocking bulk", series["bulk handler, 500 (async)"], bulk),
+        ],
+    )
+    hand = series[BY_HAND]
+    print_pairs(
+        "Ceiling: the same claim and executemany by hand through a plain Session",
+        [
+            ("that Session by hand / plain psycopg", hand, plain),
+            ("bulk handler / that Session by hand", bulk, hand),
         ],
     )
     print_table("Two bulk consumers, batch 20, the same 20 keys in opposite orders", contended)

@@ -10,7 +10,13 @@ dropped at the end). It prints
   sending the same SQL;
 - the client CPU one message costs (``time.process_time``, no profiler), in total and
   per driver step: beginning the transaction, our statements, the handler call with its
-  guard, the handler's own statement, the commit.
+  guard, the handler's own statement, the commit;
+- in ``.batch(500)``, what each part of the pipeline costs a message, by taking it away
+  (an ablation, for this measurement only: the library is patched in this process and put
+  back): the handler guard's statement watch (the psycopg cursors that check each
+  statement), the whole guard (every check around a handler call), and the accounting
+  (counters, the log record, observers). What is left is the decision logic itself (keys,
+  payload hashes, the claim's arrays, the outcome of each message).
 
 CPU time is what a loaded machine distorts least (wall time waits on the server and on
 other processes); read it as where the time goes, not as a rate.
@@ -36,11 +42,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from consumerdedup import Deduplicator, Message, Tables, install
 from consumerdedup.dedup import deduplicator as sync_driver
+from consumerdedup.dedup import raw_commit, settings
 
 URL = os.environ.get(
     "CONSUMERDEDUP_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 MESSAGES = 2000
+BATCH = 500
+ABLATION_ROUNDS = 7
 
 
 def main() -> int:
@@ -112,12 +121,106 @@ def main() -> int:
         print(f"  {'pipeline, claim-first':<32} {total:6.0f} us, of which:")
         for step, spent in steps.most_common():
             print(f"    {step:<30} {spent / (3 * MESSAGES) * 1e6:6.0f} us")
+        print()
+        batch_ablation(factory, insert, handle, fresh)
     finally:
         raw.close()
         with engine.begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         engine.dispose()
     return 0
+
+
+def batch_ablation(
+    factory: Any, insert: Any, handle: Any, fresh: Callable[[int], list[Message]]
+) -> None:
+    """Client CPU a message in batches of BATCH: the same handler without dedup, the
+    pipeline, and the pipeline with a part taken away; rounds interleaved, medians."""
+
+    def no_dedup(messages: list[Message]) -> None:
+        with factory() as session:
+            for m in messages:
+                session.execute(insert, {"a": m.id[-2:], "n": len(m.body), "m": m.id})
+            session.commit()
+
+    def pipeline(messages: list[Message]) -> None:
+        handle.batch(messages)
+
+    variants: list[tuple[str, Callable[[list[Message]], None], Callable[[], Iterator[None]]]] = [
+        ("the same handler, no dedup", no_dedup, _as_is),
+        ("the pipeline", pipeline, _as_is),
+        ("  without the statement watch", pipeline, _without_statement_watch),
+        ("  without the guard", pipeline, _without_guard),
+        ("  without the guard and the accounting", pipeline, _without_guard_and_accounting),
+    ]
+    spent: dict[str, list[float]] = {name: [] for name, *_ in variants}
+    for _, run, patched in variants:  # warm: the pool, prepared statements
+        with contextmanager(patched)():
+            run(fresh(BATCH))
+    for _ in range(ABLATION_ROUNDS):
+        for name, run, patched in variants:
+            batches = [fresh(BATCH) for _ in range(10)]
+            with contextmanager(patched)():
+                started = time.process_time()
+                for messages in batches:
+                    run(messages)
+                spent[name].append((time.process_time() - started) / (10 * BATCH) * 1e6)
+    medians = {name: sorted(values)[len(values) // 2] for name, values in spent.items()}
+    base = medians["the same handler, no dedup"]
+    print(
+        f"Client CPU per message in .batch({BATCH}), each part taken away in turn "
+        f"(median of {ABLATION_ROUNDS} interleaved rounds of {10 * BATCH}; process_time)"
+    )
+    for name, value in medians.items():
+        extra = f"+{value - base:5.1f}" if value is not base else ""
+        print(f"  {name:<42} {value:6.1f} us  {extra:>6}  (CPU ratio {base / value:.2f}x)")
+    print(
+        f"  at 0.9x of the same handler without dedup the pipeline may add "
+        f"{base / 0.9 - base:.1f} us a message in all"
+    )
+
+
+def _as_is() -> Iterator[None]:
+    yield
+
+
+def _without_statement_watch() -> Iterator[None]:
+    """The guard's checks around each call stay; the cursors are not swapped (commit()
+    still refused)."""
+    watch = raw_commit._watch_psycopg
+
+    def commit_only(raw: Any, _watch: Any, _coroutine: bool) -> Callable[[], None]:
+        own = vars(raw)
+        own["commit"] = lambda *_args: None
+        return lambda: own.pop("commit", None)
+
+    raw_commit._watch_psycopg = commit_only  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        raw_commit._watch_psycopg = watch
+
+
+def _without_guard() -> Iterator[None]:
+    guarded = sync_driver.DedupHandler._guarded
+
+    def bare(_self: Any, fn: Any, argument: Any, session: Any) -> None:
+        fn(argument, session)
+
+    sync_driver.DedupHandler._guarded = bare  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        sync_driver.DedupHandler._guarded = guarded  # type: ignore[method-assign]
+
+
+def _without_guard_and_accounting() -> Iterator[None]:
+    account = settings.OutcomeReporter._account
+    settings.OutcomeReporter._account = lambda _self, _result: None  # type: ignore[method-assign]
+    try:
+        yield from _without_guard()
+    finally:
+        settings.OutcomeReporter._account = account  # type: ignore[method-assign]
 
 
 def cpu_per_message(
