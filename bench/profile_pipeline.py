@@ -122,7 +122,12 @@ def main() -> int:
         for step, spent in steps.most_common():
             print(f"    {step:<30} {spent / (3 * MESSAGES) * 1e6:6.0f} us")
         print()
-        batch_ablation(factory, insert, handle, fresh)
+
+        @dedup.handler
+        def nothing(_message: Message, _session: Session) -> None:
+            pass
+
+        batch_ablation(factory, insert, handle, nothing, fresh)
     finally:
         raw.close()
         with engine.begin() as conn:
@@ -132,7 +137,7 @@ def main() -> int:
 
 
 def batch_ablation(
-    factory: Any, insert: Any, handle: Any, fresh: Callable[[int], list[Message]]
+    factory: Any, insert: Any, handle: Any, nothing: Any, fresh: Callable[[int], list[Message]]
 ) -> None:
     """Client CPU a message in batches of BATCH: the same handler without dedup, the
     pipeline, and the pipeline with a part taken away; rounds interleaved, medians."""
@@ -146,12 +151,16 @@ def batch_ablation(
     def pipeline(messages: list[Message]) -> None:
         handle.batch(messages)
 
+    def pipeline_alone(messages: list[Message]) -> None:
+        nothing.batch(messages)
+
     variants: list[tuple[str, Callable[[list[Message]], None], Callable[[], Iterator[None]]]] = [
         ("the same handler, no dedup", no_dedup, _as_is),
         ("the pipeline", pipeline, _as_is),
         ("  without the statement watch", pipeline, _without_statement_watch),
         ("  without the guard", pipeline, _without_guard),
         ("  without the guard and the accounting", pipeline, _without_guard_and_accounting),
+        ("the pipeline around a handler doing nothing", pipeline_alone, _as_is),
     ]
     spent: dict[str, list[float]] = {name: [] for name, *_ in variants}
     for _, run, patched in variants:  # warm: the pool, prepared statements
@@ -171,9 +180,11 @@ def batch_ablation(
         f"Client CPU per message in .batch({BATCH}), each part taken away in turn "
         f"(median of {ABLATION_ROUNDS} interleaved rounds of {10 * BATCH}; process_time)"
     )
+    alone = medians.pop("the pipeline around a handler doing nothing")
     for name, value in medians.items():
         extra = f"+{value - base:5.1f}" if value is not base else ""
         print(f"  {name:<42} {value:6.1f} us  {extra:>6}  (CPU ratio {base / value:.2f}x)")
+    print(f"  {'the pipeline around a handler doing nothing':<42} {alone:6.1f} us")
     print(
         f"  at 0.9x of the same handler without dedup the pipeline may add "
         f"{base / 0.9 - base:.1f} us a message in all"
