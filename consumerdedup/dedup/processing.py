@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from ..errors import ConfigurationError
 from ..event_loop import OwnLoop
 from ..outcome import Result
+from ..startup import require_startup, require_startup_async
 from ..telemetry import hooks
 from .async_deduplicator import AsyncDedupHandler
 from .deduplicator import DedupHandler
@@ -44,12 +45,10 @@ class BlockingProcessor:
         self._checked = False
 
     def check_startup(self) -> None:
-        """Once per processor, before anything is consumed: ``doctor.require_startup`` on
+        """Once per processor, before anything is consumed: ``startup.require_startup`` on
         the handler's database and consumerdedup's own tables (ConfigurationError)."""
         if self._checked:
             return
-        from ..doctor import require_startup, require_startup_async
-
         handler, tables = self.handler, self.handler.dedup.tables
         used = [tables.processed_events]  # a consumer's own table; its outbox may be unused
         if isinstance(handler, AsyncDedupHandler):
@@ -93,8 +92,6 @@ class AsyncProcessor:
         """``BlockingProcessor.check_startup`` from asyncio code."""
         if self._checked:
             return
-        from ..doctor import require_startup, require_startup_async
-
         handler, tables = self.handler, self.handler.dedup.tables
         used = [tables.processed_events]  # a consumer's own table; its outbox may be unused
         if isinstance(handler, AsyncDedupHandler):

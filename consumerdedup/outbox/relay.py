@@ -26,6 +26,7 @@ from ..errors import ConfigurationError
 from ..lifecycle import StopSwitch
 from ..reasons import describe
 from ..schema import DEFAULT, Tables, utcnow
+from ..startup import require_startup
 from . import lock_space
 from .listener import Listener
 from .publisher import AsyncPublisher, Publisher
@@ -73,14 +74,12 @@ class OutboxRelay(StopSwitch):
         self._idle = threading.Condition()
         self._rounds = 0
         self._broker_trouble = False
-        self._checked = False  # doctor's start checks passed (once per relay)
+        self._checked = False  # the start checks passed (once per relay)
 
     def _check_startup(self) -> None:
-        """Once per relay, before the first claim: ``doctor.require_startup`` (the database
+        """Once per relay, before the first claim: ``startup.require_startup`` (the database
         reachable, consumerdedup's own tables present, the rights to write them)."""
         if not self._checked:
-            from ..doctor import require_startup
-
             require_startup(self.engine, self.tables, [self.tables.outbox])
             self._checked = True
 
