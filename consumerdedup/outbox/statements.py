@@ -52,6 +52,25 @@ class Claimed(NamedTuple):
     scanned: int
 
 
+class Fetched(NamedTuple):
+    """A row the second pass claimed, as the direct path makes it."""
+
+    id: int
+    event_id: str
+    destination: str
+    key: str | None
+    body: bytes
+    headers: Any
+    attempts: int
+
+
+class Candidate(NamedTuple):
+    """A row the second pass's scan found, as the direct path makes it."""
+
+    id: int
+    key: str | None
+
+
 class RelayStatements:
     def __init__(
         self, tables: Tables, dialect: str, *, engine_dialect: Dialect | None = None
@@ -191,6 +210,10 @@ class RelayStatements:
         if self.postgres:
             self._claim_direct = built(self._claim_locked, ("now", "limit"), Claimed._make)
             self._blocked_direct = built(self._blocked_now, ("keys", "now"))
+            self._lock_keys_direct = built(self._lock_keys, ("keys",))
+        # The second pass also runs at the end of every drain (the empty round asks it).
+        self._candidates_direct = built(self._candidates, ("now", "limit"), Candidate._make)
+        self._rows_direct = built(self._rows, ("ids", "now"), Fetched._make)
         self._published_direct = built(self._published, ("ids", "now"))
         self._delete_direct = built(self._delete, ("ids",))
 
@@ -214,14 +237,13 @@ class RelayStatements:
                 return rows  # a full batch, or every row the scan found
             mine = {row.key for row in rows if row.key is not None}
         params = {"now": now, "limit": limit * WINDOW if self.postgres else limit}
-        candidates = list(conn.execute(self._candidates, params))
+        candidates = direct.rows(conn, self._candidates_direct, params)
         if self.postgres:
             candidates = self._lock_keys_for(conn, candidates, limit, mine)
         ids = [row.id for row in candidates][:limit]
         if not ids:
             return []
-        params = {"ids": ids, "now": now}
-        return list(conn.execute(self._rows, params).all())
+        return direct.rows(conn, self._rows_direct, {"ids": ids, "now": now})
 
     def _first_pass(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
         rows = direct.rows(conn, self._claim_direct, {"now": now, "limit": limit})
@@ -260,7 +282,7 @@ class RelayStatements:
                 asked += per_key[key]
             if not asking:
                 break
-            got = set(conn.execute(self._lock_keys, {"keys": asking}).scalars())
+            got = {row[0] for row in direct.rows(conn, self._lock_keys_direct, {"keys": asking})}
             mine |= got
             covered += sum(per_key[k] for k in got)
         return [row for row in candidates if row.key is None or row.key in mine]
