@@ -56,7 +56,8 @@ class RoundPublisher:
             # per event, so it reads each column once and calls nothing it need not.
             sent: list[Any] = []
             messages: list[Outgoing] = []
-            while position < total and len(messages) < window_size:
+            room = window_size
+            while position < total and room:
                 row = rows[position]
                 position += 1
                 key = row.key
@@ -69,12 +70,17 @@ class RoundPublisher:
                 except InvalidMessage as exc:
                     self._settle(row, exc, result, held_keys)
                     continue
-                messages.append(Outgoing(row.destination, row.body, key, headers))
+                # Outgoing's own __new__ is Python code; tuple's makes the same Outgoing.
+                messages.append(_new(Outgoing, (row.destination, row.body, key, headers)))
                 sent.append(row)
-            outcomes = send(messages)
+                room -= 1
+            outcomes = list(send(messages))
+            if not held_keys and outcomes.count(None) == len(outcomes) == len(sent):
+                done += [row.id for row in sent]  # the common case: all confirmed
+                continue
             for row, outcome in zip(sent, outcomes, strict=True):
                 if outcome is None and not held_keys:
-                    done.append(row.id)  # the common case: confirmed, no key held back
+                    done.append(row.id)
                 else:
                     self._settle(row, outcome, result, held_keys)
         return result
@@ -131,6 +137,9 @@ class RoundPublisher:
             logger.warning(
                 "publishing outbox event %s failed (attempt %d): %s", row.event_id, attempts, text
             )
+
+
+_new = tuple.__new__
 
 
 def headers_of(row: Any) -> dict[str, str]:

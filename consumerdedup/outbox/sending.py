@@ -121,7 +121,8 @@ class Sender:
             else self.publisher.publish
         )
         for message in messages:
-            if away or (message.key is not None and message.key in failed_keys):
+            # failed_keys holds no None: a message without a key is never held back.
+            if away or (failed_keys and message.key in failed_keys):
                 outcomes.append(NotSent())
                 continue
             try:
