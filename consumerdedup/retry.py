@@ -48,6 +48,14 @@ _TRANSIENT_SQLITE = (
 )
 
 
+_OUTLASTED_SQLSTATES = ("25P03", "25P04")
+"""idle_in_transaction_session_timeout and transaction_timeout: the server ended the
+connection because this transaction outlasted a bound (a handler idle too long, a batch
+too long in all). A lost connection, but no outage: what the transaction did caused it,
+so it is charged like a message's own error (UNKNOWN: tried again, then FAILED), which
+also lets a batch halve to find the message that caused it instead of retrying the whole
+batch as one for ever."""
+
 SETUP_SQLSTATES = ("42P01", "42703", "42501", "3F000", "25006")
 """Undefined table, undefined column, insufficient privilege, no such schema, read-only:
 the deploy's fault, not the data's. Met by our own statements they stop the caller
@@ -222,9 +230,11 @@ def _driver_kind(exc: sqlalchemy.exc.DBAPIError) -> ErrorKind:
     """By the database's own error code where it gives one, not by the DB-API class:
     psycopg calls "index row too large" an OperationalError, and so does sqlite3 for
     malformed JSON; retrying those forever would stall a stream."""
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate in _OUTLASTED_SQLSTATES:  # before connection_invalidated: the server's doing
+        return ErrorKind.UNKNOWN
     if exc.connection_invalidated or setup_fault(exc):
         return ErrorKind.TRANSIENT
-    sqlstate = getattr(exc.orig, "sqlstate", None)
     if sqlstate:
         transient = sqlstate.startswith(_TRANSIENT_SQLSTATES)
         return ErrorKind.TRANSIENT if transient else ErrorKind.UNKNOWN
