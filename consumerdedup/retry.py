@@ -222,6 +222,22 @@ def _by_cause(exc: BaseException) -> ErrorKind:
     return ErrorKind.UNKNOWN
 
 
+def outlasted(exc: BaseException) -> bool:
+    """The server ended the transaction for outlasting its bound (25P03, 25P04), as
+    ``exc`` says or a database error under it (a handler's own wrapper, a swallowed error
+    the guard names). It surfaces at the next statement, whoever sends it: it names the
+    transaction, not the message whose statement met it."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        orig = getattr(link, "orig", None)
+        if getattr(orig, "sqlstate", None) in _OUTLASTED_SQLSTATES:
+            return True
+        link = getattr(link, "cause", None) or _under(link)
+    return False
+
+
 def _under(exc: BaseException) -> BaseException | None:
     return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 

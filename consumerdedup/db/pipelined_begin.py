@@ -86,9 +86,44 @@ def take(session: Session, what: str, own: bool = False) -> tuple[Connection, st
         return None  # the caller's checks refuse it, the connection left as it is
     if int(raw.pgconn.transaction_status) != _IDLE:
         return None  # a begin listener's statement began the transaction: nothing to pipeline
+    if _idle_bound(conn):
+        return None  # the pipeline would leave the server's idle timer unarmed (_idle_bound)
     begin = start_command(raw)
     _autocommit_for_this_checkout(conn, raw)
     return conn, begin
+
+
+_IDLE_BOUND = "consumerdedup.idle_in_transaction_bound"
+"""In the pooled connection's ``info``: its idle_in_transaction_session_timeout is set."""
+
+
+def _idle_bound(conn: Connection) -> bool:
+    """The connection's server session bounds an idle transaction
+    (idle_in_transaction_session_timeout > 0: a role's, the database's, a connect option's).
+
+    Then its transactions begin the plain way, one round trip more: psycopg ends a
+    pipeline with a Sync and then a Flush, and PostgreSQL arms the idle timer at the Sync
+    and disarms it at the Flush, arming it again only after the next statement. A handler
+    stuck before its first statement would never be ended by the bound, and a twin would
+    wait on its claim as long as it hangs. Read once per connection (a catalog read and a
+    rollback, on its first checkout that could pipeline), kept in its pool record's info:
+    a SET of the setting on a pooled connection later is not seen."""
+    info = conn.connection.info
+    bound = info.get(_IDLE_BOUND)
+    if bound is None:
+        dbapi: Any = conn.connection.dbapi_connection  # the async adapter awaits for us
+        cursor = dbapi.cursor()
+        try:
+            cursor.execute(
+                "SELECT setting::bigint > 0 FROM pg_settings "
+                "WHERE name = 'idle_in_transaction_session_timeout'"
+            )
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+            dbapi.rollback()  # as it was: no transaction open
+        bound = info[_IDLE_BOUND] = bool(row and row[0])
+    return bool(bound)
 
 
 def start_command(raw: Any) -> str:

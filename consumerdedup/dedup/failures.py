@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ConfigurationError, PermanentError, RetryLater
 from ..reasons import describe
-from ..retry import too_big
+from ..retry import outlasted, too_big
 from .ops import CallBulk, CallHandler, Execute, HandlerRaised, Op
 from .statements import Statements
 
@@ -101,7 +101,14 @@ def _meaning(op: Op, exc: Exception, after_handlers: bool) -> Exception:
         if isinstance(meaning, HandlerFailed):
             meaning.ended = True
             return meaning
+        if isinstance(meaning, TransactionFailed):  # ended on a live connection: undo first
+            return HandlerFailed(meaning.error, ended=True)
         return HandlerFailed(meaning, ended=True, setup=True)  # a setup fault, raised later
+    if isinstance(op, CallHandler | CallBulk) and outlasted(exc):
+        # The server ended the transaction for outlasting its bound: met at this call's
+        # statement, but the idle time may be an earlier handler's. The span halves to
+        # whoever it is, as for a failed COMMIT (a lone message is then charged).
+        return TransactionFailed(exc.error if isinstance(exc, HandlerRaised) else exc)
     if isinstance(exc, HandlerRaised):  # the user's code, whatever it raised
         return HandlerFailed(exc.error)
     setup = exc if isinstance(exc, ConfigurationError) else None

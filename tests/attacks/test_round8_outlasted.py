@@ -6,7 +6,7 @@ connection. Attacked through the public API on the real PostgreSQL 15 (no
 transaction_timeout there: the bound is idle_in_transaction_session_timeout, set as a
 connect option, the way a role or database default would set it).
 
-Broke (xfail strict):
+Broke, and fixed (now regression tests):
 - 25P03 surfaces at the next statement, so it is charged to the handler that sent it, not to
   the one that idled: a handler idle outside the database makes the next batch-mate's first
   statement fail, and with ``attempts=1`` that innocent message ends FAILED (and the one after
@@ -14,6 +14,12 @@ Broke (xfail strict):
 - The pipelined BEGIN (BEGIN + claim in one psycopg pipeline) leaves PostgreSQL 15's idle
   timer unarmed: a handler stuck before its first statement is never ended by the bound,
   and a twin waits on its claim as long as it hangs.
+
+Fixed at the root: an outlasted transaction met at a handler's call is the transaction's
+failure, not that handler's (dedup/failures.py: the span halves to the message that idled,
+which is then charged alone); and a connection whose server bounds idle transactions is
+begun the plain way, not pipelined (db/pipelined_begin.py ``_idle_bound``), so the bound
+holds from the claim on.
 
 Held: with a second try, the blamed batch-mate runs alone and commits.
 """
@@ -83,15 +89,6 @@ def assert_innocents_done(db: Database, results: list[Result]) -> None:
             assert key in done, f"{key} recorded PROCESSED without its effects"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="25P03 names the idle gap before the statement that met it, not that statement's "
-    "handler: `slow` (no statement, 300 ms outside the database) makes m2's first INSERT fail "
-    "with 25P03, m2 is charged as the culprit (UNKNOWN), and with attempts=1 it ends FAILED, "
-    "recorded and dead-lettered; on the next try `slow` idles again and m3 is charged the same "
-    "way: seen m0 PROCESSED, slow PROCESSED, m2 FAILED, m3 FAILED (before 4dd28b6: RETRY). "
-    "Invariant 4 (a bad message fails alone)",
-)
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
 @pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
 def test_the_message_after_an_idle_handler_is_not_blamed(
@@ -103,13 +100,22 @@ def test_the_message_after_an_idle_handler_is_not_blamed(
     for mid in INNOCENT:
         assert by_id[mid].outcome is Outcome.PROCESSED, (mid, by_id[mid].reason)
     assert effects(ledger) == INNOCENT
+    # The one that idled ends FAILED alone (one try), with the server's reason.
+    assert by_id["slow"].outcome is Outcome.FAILED, by_id["slow"].reason
+    assert "idle-in-transaction timeout" in (by_id["slow"].reason or "")
 
 
 @pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
 def test_with_a_retry_the_message_after_an_idle_handler_commits(
     ledger: Database, bounded: Engine, claim_first: bool
 ) -> None:
-    """Held: with a second try, the blamed batch-mate runs alone and commits."""
+    """Fixed at the root: an outlasted transaction met at a handler's call is the transaction's
+    failure, not that handler's (dedup/failures.py: the span halves to the message that idled,
+    which is then charged alone); and a connection whose server bounds idle transactions is
+    begun the plain way, not pipelined (db/pipelined_begin.py ``_idle_bound``), so the bound
+    holds from the claim on.
+
+    Held: with a second try, the blamed batch-mate runs alone and commits."""
     results = slow_then_batch(ledger, bounded, FAST, claim_first, ordered=True)
     by_id = {r.message.id: r for r in results}
     assert_innocents_done(ledger, results)
@@ -118,16 +124,6 @@ def test_with_a_retry_the_message_after_an_idle_handler_commits(
     assert recorded(ledger).get("m2") == Outcome.PROCESSED.value
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the pipeline's claim goes out as BEGIN + INSERT in one psycopg pipeline "
-    "(db/pipelined_begin.py), and PostgreSQL 15 then never arms "
-    "idle_in_transaction_session_timeout until another statement is sent: a handler stuck "
-    "before its first statement is never ended by the documented bound (docs/consumers.md), "
-    "its claim's row lock holds, and the twin waits as long as it hangs (seen: the twin "
-    "decided only after the stuck handler's 1.2 s, not at the 100 ms bound); also such a "
-    "handler commits PROCESSED instead of meeting 25P03. Invariant 3",
-)
 def test_the_bound_ends_a_handler_stuck_before_its_first_statement(
     ledger: Database, bounded: Engine
 ) -> None:
