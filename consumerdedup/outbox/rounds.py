@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidMessage
+from ..headers import ID_HEADER
 from ..reasons import describe
 from ..schema import utcnow
 from .publisher import NotSent, Outgoing
@@ -75,7 +76,8 @@ class RoundPublisher:
                 sent.append(row)
                 room -= 1
             outcomes = list(send(messages))
-            if not held_keys and outcomes.count(None) == len(outcomes) == len(sent):
+            # ``is None`` each: list.count compares with ==, which an error's type may answer.
+            if not held_keys and len(outcomes) == len(sent) and all(o is None for o in outcomes):
                 done += [row.id for row in sent]  # the common case: all confirmed
                 continue
             for row, outcome in zip(sent, outcomes, strict=True):
@@ -145,14 +147,14 @@ _new = tuple.__new__
 def headers_of(row: Any) -> dict[str, str]:
     """The row's headers as the publisher takes them; InvalidMessage if the column holds
     anything but a JSON object of strings (Outbox.add writes nothing else)."""
-    headers = row.headers
-    if headers is None:
-        return {}
+    headers = row.headers  # NOT NULL: None is a JSON null written by hand, refused below
     if type(headers) is dict:  # the column's JSON, decoded afresh for this row: no copy
         for name, value in headers.items():
             if type(name) is not str or type(value) is not str:
                 break
         else:
+            if headers.get(ID_HEADER) != row.event_id:  # a row written by hand: the column
+                headers[ID_HEADER] = row.event_id  # is the id consumers dedup by
             return headers
     if not isinstance(headers, dict) or not all(
         isinstance(name, str) and isinstance(value, str) for name, value in headers.items()
@@ -162,4 +164,4 @@ def headers_of(row: Any) -> dict[str, str]:
             f"{type(headers).__name__}"
             + ("" if not isinstance(headers, dict) else " with other values")
         )
-    return dict(headers)
+    return {**headers, ID_HEADER: row.event_id}

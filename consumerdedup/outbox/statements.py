@@ -16,6 +16,7 @@ from sqlalchemy import (
     Connection,
     Dialect,
     Text,
+    all_,
     and_,
     any_,
     bindparam,
@@ -50,6 +51,8 @@ class Claimed(NamedTuple):
     headers: Any
     attempts: int
     scanned: int
+    first: int
+    """The scan's oldest id: a row of the scan that did not come back is not older."""
 
 
 class Fetched(NamedTuple):
@@ -155,8 +158,9 @@ class RelayStatements:
                 .scalar_subquery()
             )
             scanned = select(func.count()).select_from(scan_cte).scalar_subquery()
+            first = select(func.min(scan_cte.c.id)).scalar_subquery()
             self._claim_locked = (
-                select(*columns, scanned.label("scanned"))
+                select(*columns, scanned.label("scanned"), first.label("first"))
                 .where(
                     ob.c.id == any_(cast(mine, ARRAY(BigInteger))),
                     *live,
@@ -166,15 +170,21 @@ class RelayStatements:
                 .order_by(ob.c.id)
                 .with_for_update(skip_locked=True, of=ob)
             )
-            # Asked in a statement of its own, whose snapshot follows the locks: a relay that
-            # held a key until a moment ago may have backed off or parked an older row of it.
+            # Asked in a statement of its own, whose snapshot follows the locks: the rows of
+            # the claimed keys, within the scan, that did not come back. A relay that held a
+            # key until a moment ago may have backed off or parked an older row of it; and
+            # SKIP LOCKED passes over a row another transaction holds locked (the
+            # application's FOR UPDATE or FOR KEY SHARE of a foreign key, an operator's
+            # UPDATE) while the key's later rows come back. Either way the key's rows after
+            # it wait for the next round.
             self._blocked_now = (
                 select(ob.c.key, func.min(ob.c.id))
                 .where(
                     *live,
-                    ob.c.attempts > 0,
                     ob.c.key == any_(bindparam("keys", type_=ARRAY(Text))),
-                    or_(ob.c.available_at > bindparam("now"), parked),
+                    ob.c.id >= bindparam("first"),
+                    ob.c.id < bindparam("below"),
+                    ob.c.id != all_(bindparam("ids", type_=ARRAY(BigInteger))),
                 )
                 .group_by(ob.c.key)
             )
@@ -214,7 +224,7 @@ class RelayStatements:
 
         if self.postgres:
             self._claim_direct = built(self._claim_locked, ("now", "limit"), Claimed._make)
-            self._blocked_direct = built(self._blocked_now, ("keys", "now"))
+            self._blocked_direct = built(self._blocked_now, ("keys", "first", "below", "ids"))
             self._lock_keys_direct = built(self._lock_keys, ("keys",))
         # The second pass also runs at the end of every drain (the empty round asks it).
         self._candidates_direct = built(self._candidates, ("now", "limit"), Candidate._make)
@@ -245,10 +255,12 @@ class RelayStatements:
         candidates = direct.rows(conn, self._candidates_direct, params)
         if self.postgres:
             candidates = self._lock_keys_for(conn, candidates, limit, mine)
-        ids = [row.id for row in candidates][:limit]
-        if not ids:
+        candidates = candidates[:limit]
+        if not candidates:
             return []
-        return direct.rows(conn, self._rows_direct, {"ids": ids, "now": now})
+        ids = [row.id for row in candidates]
+        rows = direct.rows(conn, self._rows_direct, {"ids": ids, "now": now})
+        return _in_key_order(candidates, rows)
 
     def _first_pass(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
         rows = direct.rows(conn, self._claim_direct, {"now": now, "limit": limit})
@@ -260,8 +272,14 @@ class RelayStatements:
             # row lock would then have dropped it (its new version no longer may go).
             return rows
         if keys := sorted({row.key for row in rows if row.key is not None}):
-            blocked = dict(direct.rows(conn, self._blocked_direct, {"keys": keys, "now": now}))
-            if blocked:  # rare: another relay failed a row of these keys since the scan
+            asked = {
+                "keys": keys,
+                "first": rows[0].first,
+                "below": rows[-1].id,
+                "ids": [row.id for row in rows],
+            }
+            blocked = dict(direct.rows(conn, self._blocked_direct, asked))
+            if blocked:  # rare: a row of these keys failed or was locked since the scan
                 rows = [r for r in rows if r.key not in blocked or r.id < blocked[r.key]]
         return rows
 
@@ -326,3 +344,17 @@ class RelayStatements:
     def parked(self, conn: Connection) -> list[tuple[str, str | None]]:
         """(event_id, last_error) of the parked rows, in id order."""
         return [(event_id, error) for event_id, error in conn.execute(self._parked)]
+
+
+def _in_key_order(candidates: Sequence[Any], rows: list[Any]) -> list[Any]:
+    """``rows`` without a key's rows after the first of its ``candidates`` that did not come
+    back: the fetch skips a row another transaction holds locked (SKIP LOCKED), or one
+    no longer free to go, while the key's later rows come back; they wait for it."""
+    if len(rows) == len(candidates):
+        return rows
+    back = {row.id for row in rows}
+    gap: dict[str, int] = {}
+    for row in candidates:
+        if row.key is not None and row.id not in back:
+            gap.setdefault(row.key, row.id)
+    return [r for r in rows if r.key is None or r.key not in gap or r.id < gap[r.key]]

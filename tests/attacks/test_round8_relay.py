@@ -3,7 +3,18 @@ pass sent straight to psycopg, rows in binary format, a fast path for an all-con
 window, and drain() on one connection. Public API only: Outbox.add, OutboxRelay,
 consumerdedup.outbox.parked (the operator's replay/abandon), MemoryBroker.
 
-Breaks are strict xfails whose reason says what happened and which promise it breaks.
+Broke, and fixed (now regression tests):
+- per-key order through a row lock another transaction holds on a key's oldest event (the
+  application's FOR UPDATE / FOR SHARE / UPDATE, a foreign key's KEY SHARE): the claim's
+  SKIP LOCKED passed over it and the key's later events went first, in both passes. Now
+  the rows of a claimed key after one of its rows that did not come back wait for the
+  next round (statements.RelayStatements: ``_blocked_now`` in the first pass,
+  ``_in_key_order`` in the second);
+- the all-confirmed fast path (783da86) counted outcomes with ``list.count(None)``, which
+  an error type's permissive ``__eq__`` could answer: now ``is None`` each;
+- a row written by hand went out with its headers' event_id, or none: the event_id
+  column is now set as the header (rounds.headers_of);
+- headers stored as JSON null went out as no headers: now that row's failure, alone.
 """
 
 from __future__ import annotations
@@ -95,18 +106,6 @@ LOCKS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "per-key order broken: while an application transaction holds a row lock on the "
-        "oldest unpublished event k0 of key K (FOR UPDATE / FOR SHARE / a plain UPDATE of a "
-        "column, or an insert into a table with a foreign key to outbox.event_id, never "
-        "committed), run_once() publishes k1 and k2 of K, then k0 after the "
-        "lock goes: the claim locks K's advisory lock, then its row-locking SELECT "
-        "(statements._claim_locked, and the second pass's _rows) is FOR UPDATE OF outbox SKIP "
-        "LOCKED, which silently drops k0 and keeps the later rows of the same key"
-    ),
-)
 @pytest.mark.parametrize("how", sorted(LOCKS))
 def test_a_row_lock_on_a_keys_oldest_event_does_not_let_its_later_events_overtake(
     pg: Database, how: str
@@ -129,15 +128,6 @@ def test_a_row_lock_on_a_keys_oldest_event_does_not_let_its_later_events_overtak
     assert of_key(seen, "k") == ["k0", "k1", "k2"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "per-key order broken through the second pass too (batch_size=2: the first pass "
-        "claims fewer rows than it scanned, so RelayStatements.claim runs _candidates, "
-        "_lock_keys_for and _rows, whose FOR UPDATE SKIP LOCKED again drops the locked k0): "
-        "k1 is published while k0 waits"
-    ),
-)
 def test_a_row_lock_held_with_a_small_batch_through_the_second_pass(pg: Database) -> None:
     """The same attack with batch_size=2, so the second pass (candidates, key locks, _rows)
     is what claims."""
@@ -426,16 +416,6 @@ def test_hand_written_rows_with_odd_ids_and_headers_fail_alone(pg: Database) -> 
     assert rows["bad-after"].attempts == 0 and rows["bad-after"].published_at is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a hand-written row whose headers column is JSON null (not a JSON object) is "
-        "published with no headers at all instead of failing alone as docs/outbox.md says "
-        "('headers not a JSON object of strings fails the same way, alone'): "
-        "rounds.headers_of maps None to {} (meant for SQL NULL, which the NOT NULL column "
-        "cannot hold), so the consumer gets no event_id"
-    ),
-)
 def test_json_null_headers_fail_alone(pg: Database) -> None:
     raw_row(pg, None, "j", "null", b"json-null")
     broker = MemoryBroker()
@@ -444,16 +424,6 @@ def test_json_null_headers_fail_alone(pg: Database) -> None:
     assert state(pg)["json-null"].attempts == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "'each event published with its event_id' broken for rows written by hand: the "
-        "relay builds the message from the headers column only (rounds.RoundPublisher.publish: "
-        "Outgoing(row.destination, row.body, key, headers)), never from the event_id column, "
-        "so a row whose headers lack event_id goes out with no id, and one whose header "
-        "disagrees with the column goes out under the header's id"
-    ),
-)
 def test_a_hand_written_row_is_published_with_its_event_id_column(pg: Database) -> None:
     missing = raw_row(pg, None, "m", "{}", b"missing")
     other = raw_row(pg, None, "o", '{"event_id":"not-mine"}', b"other")
@@ -561,16 +531,6 @@ def _later() -> dict[str, Any]:
     return {"initial_backoff": timedelta(hours=1), "max_backoff": timedelta(hours=1)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "at-least-once broken by the all-confirmed fast path (783da86): rounds.RoundPublisher."
-        "publish tests `outcomes.count(None) == len(outcomes)`, and list.count compares with "
-        "==, so a refused message whose error type has a permissive __eq__ counts as "
-        "confirmed and its row is marked published though the broker never took it (the "
-        "per-row path tested `outcome is None`)"
-    ),
-)
 def test_an_error_outcome_equal_to_none_is_not_taken_for_a_confirm(pg: Database) -> None:
     add(pg, [("a0", "A"), ("b0", "B")])
 
