@@ -144,20 +144,12 @@ class Bench:
         # The ceiling for a bulk handler that writes through a Session: the same multi-row
         # claim and the same executemany, by hand through a plain Session (no framework).
         factory = sessionmaker(self.engine, expire_on_commit=False)
-        hand_claim = text(
-            f"INSERT INTO {self.schema}.processed_events (consumer, message_id, processed_at, "
-            "payload_hash, outcome, error) SELECT 'hand', m, now(), h, 'processed', NULL "
-            "FROM unnest(CAST(:ids AS varchar[]), CAST(:hashes AS varchar[])) AS t(m, h) "
-            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
-        )
+        processed = f"{self.schema}.processed_events"
 
         def by_hand(messages: Sequence[Message]) -> None:
             for part in chunks(messages, BATCH):
                 with factory() as session:
-                    ids = [m.id for m in part]
-                    hashes = plain_sql.hashes(m.body for m in part)
-                    rows = session.execute(hand_claim, {"ids": ids, "hashes": hashes})
-                    claimed = set(rows.scalars())
+                    claimed = plain_sql.claim_by_hand(session, processed, part)
                     session.execute(insert, [row(m) for m in part if m.id in claimed])
                     session.commit()
 

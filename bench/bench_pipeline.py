@@ -324,12 +324,6 @@ class Bench:
             "outcome, error) VALUES ('hand', :message_id, now(), :payload_hash, 'processed', "
             "NULL) ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
         )
-        hand_claim_many = text(
-            f"INSERT INTO {processed} (consumer, message_id, processed_at, payload_hash, "
-            "outcome, error) SELECT 'hand', m, now(), h, 'processed', NULL "
-            "FROM unnest(CAST(:ids AS varchar[]), CAST(:hashes AS varchar[])) AS t(m, h) "
-            "ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
-        )
 
         def by_hand(messages: Sequence[Message]) -> None:
             for message in messages:
@@ -346,10 +340,7 @@ class Bench:
             def run(messages: Sequence[Message]) -> None:
                 for part in chunks(messages, size):
                     with factory() as session:
-                        ids = [m.id for m in part]
-                        hashes = plain_sql.hashes(m.body for m in part)
-                        rows = session.execute(hand_claim_many, {"ids": ids, "hashes": hashes})
-                        claimed = set(rows.scalars())
+                        claimed = plain_sql.claim_by_hand(session, processed, part)
                         for message in part:
                             if message.id in claimed:
                                 session.execute(insert_sql, business_params(message))
