@@ -103,10 +103,15 @@ class Sender:
             # charged to all, it would park every key of the window. One publish at a time
             # charges it to its message alone (those sent already go again: at least once).
             return self._one_at_a_time(messages)
-        if len(outcomes) != len(messages):
+        if not isinstance(outcomes, list | tuple) or len(outcomes) != len(messages):
+            given = (
+                f"{len(outcomes)} outcomes"
+                if isinstance(outcomes, list | tuple)
+                else f"a {type(outcomes).__name__}"
+            )
             raise ConfigurationError(
-                f"{type(publisher).__name__}.publish_window returned {len(outcomes)} outcomes "
-                f"for {len(messages)} messages: it must return one per message"
+                f"{type(publisher).__name__}.publish_window returned {given} for "
+                f"{len(messages)} messages: it must return a list of outcomes, one per message"
             )
         return outcomes
 
