@@ -59,7 +59,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -408,6 +408,32 @@ def run_batch(
     return handle.process_batch(batch), handle.process_batch(batch)
 
 
+def run_batch_async(
+    db: Database, misbehave: Callable[[Any, Any], Awaitable[None]]
+) -> tuple[list[Result], list[Result]]:
+    """``run_batch`` on the asyncio driver: m1's call misbehaving after its write."""
+    insert = insert_sql(db)
+
+    async def go() -> tuple[list[Result], list[Result]]:
+        engine = create_async_engine(db.async_url, pool_size=1, max_overflow=0)
+        dedup = AsyncDeduplicator(engine, "round7", tables=db.tables, retry=FAST)
+
+        @dedup.handler
+        async def handle(message: Message, session: Any) -> None:
+            await session.execute(insert, {"m": message.id})
+            if message.id == "m1":
+                conn = await session.connection()
+                await misbehave(session, conn.sync_connection.connection.driver_connection)
+
+        batch = msgs("m0", "m1", "m2", "m3")
+        try:
+            return await handle.process_batch(batch), await handle.process_batch(batch)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
 def assert_culprit_alone(db: Database, first: list[Result], again: list[Result]) -> None:
     """m1 FAILED with its record and no effect; its batch-mates PROCESSED once each."""
     assert outcomes(first) == [
@@ -602,39 +628,21 @@ def test_a_bulk_call_with_one_misbehaving_message_isolates_it(
 
 @pytest.mark.parametrize("how", ["text_commit", "raw_commit", "raw_rollback", "swallowed"])
 def test_async_misbehaviour_fails_its_message_alone(ledger: Database, how: str) -> None:
-    insert = insert_sql(ledger)
+    async def misbehave(session: Any, raw: Any) -> None:
+        if how == "text_commit":
+            await session.execute(text("COMMIT"))
+        elif how == "raw_commit":
+            await raw.commit()
+        elif how == "raw_rollback":
+            await raw.rollback()
+        else:
+            try:
+                async with raw.pipeline():
+                    await raw.execute("SELECT 1 / 0")
+            except psycopg.Error:
+                pass
 
-    async def go() -> tuple[list[Result], list[Result]]:
-        engine = create_async_engine(ledger.async_url, pool_size=1, max_overflow=0)
-        dedup = AsyncDeduplicator(engine, "round7", tables=ledger.tables, retry=FAST)
-
-        @dedup.handler
-        async def handle(message: Message, session: Any) -> None:
-            await session.execute(insert, {"m": message.id})
-            if message.id != "m1":
-                return
-            conn = await session.connection()
-            raw = conn.sync_connection.connection.driver_connection
-            if how == "text_commit":
-                await session.execute(text("COMMIT"))
-            elif how == "raw_commit":
-                await raw.commit()
-            elif how == "raw_rollback":
-                await raw.rollback()
-            else:
-                try:
-                    async with raw.pipeline():
-                        await raw.execute("SELECT 1 / 0")
-                except psycopg.Error:
-                    pass
-
-        batch = msgs("m0", "m1", "m2", "m3")
-        try:
-            return await handle.process_batch(batch), await handle.process_batch(batch)
-        finally:
-            await engine.dispose()
-
-    first, again = asyncio.run(go())
+    first, again = run_batch_async(ledger, misbehave)
     assert_culprit_alone(ledger, first, again)
 
 
@@ -659,28 +667,12 @@ def test_a_handler_killed_by_the_idle_timeout_fails_alone(
 
 def test_an_async_handler_killed_by_the_idle_timeout_fails_alone(ledger: Database) -> None:
     """The same on the asyncio driver: the batch halves to the handler that idled."""
-    insert = insert_sql(ledger)
 
-    async def go() -> tuple[list[Result], list[Result]]:
-        engine = create_async_engine(ledger.async_url, pool_size=1, max_overflow=0)
-        dedup = AsyncDeduplicator(engine, "round7", tables=ledger.tables, retry=FAST)
+    async def misbehave(session: Any, _raw: Any) -> None:
+        await session.execute(text("SET LOCAL idle_in_transaction_session_timeout = '100ms'"))
+        await asyncio.sleep(0.4)
 
-        @dedup.handler
-        async def handle(message: Message, session: Any) -> None:
-            await session.execute(insert, {"m": message.id})
-            if message.id == "m1":
-                await session.execute(
-                    text("SET LOCAL idle_in_transaction_session_timeout = '100ms'")
-                )
-                await asyncio.sleep(0.4)
-
-        batch = msgs("m0", "m1", "m2", "m3")
-        try:
-            return await handle.process_batch(batch), await handle.process_batch(batch)
-        finally:
-            await engine.dispose()
-
-    first, again = asyncio.run(go())
+    first, again = run_batch_async(ledger, misbehave)
     assert_culprit_alone(ledger, first, again)
 
 
