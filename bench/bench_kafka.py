@@ -46,9 +46,9 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import aiokafka
 import psycopg
@@ -68,6 +68,7 @@ from tansu import start_tansu
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 Scenario = Callable[[str, int], Awaitable[float]]
+B = TypeVar("B", bound="Bench")
 
 
 class Bench:
@@ -88,6 +89,13 @@ class Bench:
             await conn.run_sync(install, self.tables)
             await conn.execute(
                 text(f"CREATE TABLE {self.schema}.ledger (message_id TEXT, amount INTEGER)")
+            )
+            await conn.execute(
+                text(
+                    f"CREATE TABLE {self.schema}.plain_offsets (consumer_group TEXT, topic TEXT, "
+                    "partition INTEGER, next_offset BIGINT, owner_epoch BIGINT, updated_at "
+                    "TIMESTAMPTZ, PRIMARY KEY (consumer_group, topic, partition))"
+                )
             )
 
     async def check_rows(self, expected: int) -> None:
@@ -175,33 +183,62 @@ class Bench:
         finally:
             await consumer.stop()
 
-    async def by_hand(self, topic: str, count: int, *, bulk: bool) -> float:
+    async def by_hand(
+        self,
+        topic: str,
+        count: int,
+        *,
+        bulk: bool,
+        claim: bool = True,
+        offset_in_db: bool = False,
+    ) -> float:
         """Plain aiokafka and plain async psycopg doing what the runner does, by hand: the
-        business rows with one ``executemany`` (``bulk``) or one ``execute`` each."""
-        claim = plain_sql.claim_many(self.tables.processed_events.fullname)
+        business rows with one ``executemany`` (``bulk``) or one ``execute`` each.
+
+        ``claim``: the batch's ids claimed in processed_events first (False: at least once,
+        the rows alone). ``offset_in_db``: the chunk's transaction also writes the
+        partition's next offset, one UPDATE conditional on an owner epoch, as a
+        hand-written exactly-once loop would (bench_kafka_offsets.py)."""
+        claim_sql = plain_sql.claim_many(self.tables.processed_events.fullname)
         insert = f"INSERT INTO {self.schema}.ledger VALUES (%s, %s)"
+        advance = (
+            f"UPDATE {self.schema}.plain_offsets SET next_offset = %s, updated_at = now() "
+            "WHERE consumer_group = %s AND topic = %s AND partition = %s AND owner_epoch = %s"
+        )
+        group = "by-hand"
         database = await psycopg.AsyncConnection.connect(self.conninfo)
-        consumer = await self.joined(topic, "by-hand")
+        consumer = await self.joined(topic, group)
+        if offset_in_db:  # the partitions taken at epoch 1 (untimed, as the runner's take)
+            async with database.transaction(), database.cursor() as cur:
+                await cur.executemany(
+                    f"INSERT INTO {self.schema}.plain_offsets VALUES (%s, %s, %s, NULL, 1, now())",
+                    [(group, topic, p) for p in range(self.args.partitions)],
+                )
         try:
             start, seen, finished = time.perf_counter(), 0, 0.0
             while seen < count:
                 fetched = await consumer.getmany(timeout_ms=100, max_records=500)
                 for tp, records in fetched.items():
                     ids = [dict(r.headers)["event_id"].decode() for r in records]
-                    hashes = plain_sql.hashes(r.value for r in records)
                     async with database.transaction(), database.cursor() as cur:
-                        await cur.execute(claim, ("by-hand", ids, hashes))
-                        claimed = {row[0] for row in await cur.fetchall()}
+                        if claim:
+                            hashes = plain_sql.hashes(r.value for r in records)
+                            await cur.execute(claim_sql, ("by-hand", ids, hashes))
+                            claimed = {row[0] for row in await cur.fetchall()}
                         rows = [
                             (record_id, json.loads(record.value)["amount"])
                             for record_id, record in zip(ids, records, strict=True)
-                            if record_id in claimed
+                            if not claim or record_id in claimed
                         ]
                         if bulk:
                             await cur.executemany(insert, rows)
                         else:
                             for row in rows:
                                 await cur.execute(insert, row)
+                        if offset_in_db:
+                            next_offset = records[-1].offset + 1
+                            await cur.execute(advance, (next_offset, group, topic, tp.partition, 1))
+                            assert cur.rowcount == 1, "fenced"
                     finished = time.perf_counter()
                     seen += len(records)
                     await consumer.commit({tp: records[-1].offset + 1})
@@ -219,14 +256,17 @@ class Bench:
 
             @dedup.handler
             def apply_blocking(message: Message, session: Any) -> None:
-                session.execute(insert, {"m": message.id, "n": len(message.body)})
+                session.execute(insert, {"m": message.id, "n": json.loads(message.body)["amount"]})
 
             return apply_blocking
         async_dedup = AsyncDeduplicator(self.engine, consumer="bench", tables=self.tables)
 
         @async_dedup.handler
         async def apply(message: Message, session: Any) -> None:
-            await session.execute(insert, {"m": message.id, "n": len(message.body)})
+            # The row the plain loops write: the body's JSON decoded, as they decode it.
+            await session.execute(
+                insert, {"m": message.id, "n": json.loads(message.body)["amount"]}
+            )
 
         return apply
 
@@ -260,7 +300,9 @@ class Bench:
         blocking: bool,
         bulk: bool = False,
         in_flight: int = 4,
+        **options: Any,
     ) -> float:
+        """The runner draining ``topic``; ``options``: more KafkaConfig options."""
         apply = self.handler(blocking, bulk)
 
         done = 0
@@ -277,6 +319,7 @@ class Bench:
             poll_timeout=timedelta(milliseconds=100),
             idempotent_producer=self.idempotent,
             consumer_options=self.group_options,
+            **options,
         )
         run = KafkaConsumerRunner(
             apply,
@@ -329,7 +372,11 @@ async def measure(args: argparse.Namespace, bench: Bench) -> list[Series]:
     return list(rates.values())
 
 
-async def main_async(args: argparse.Namespace) -> None:
+@contextlib.asynccontextmanager
+async def running(args: argparse.Namespace, make: type[B]) -> AsyncIterator[tuple[B, Conditions]]:
+    """A bench of class ``make`` on the broker (Tansu started here unless
+    CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP names one) and PostgreSQL, set up, with the
+    conditions said so far; its schema, topics and broker gone afterwards."""
     url = args.url or os.environ.get("CONSUMERDEDUP_BENCH_PG_URL", DEFAULT_PG)
     bootstrap = os.environ.get("CONSUMERDEDUP_BENCH_KAFKA_BOOTSTRAP")
     stack = contextlib.ExitStack()  # stops the broker this bench starts, if any
@@ -343,10 +390,21 @@ async def main_async(args: argparse.Namespace) -> None:
             "without writing to disk; a Kafka broker would not)"
         )
         args.idempotent = False  # Tansu has no InitProducerId
-    bench = Bench(args, bootstrap, url)
+    bench = make(args, bootstrap, url)
     try:
         conditions.add("Kafka", broker)
         conditions.postgres(bench.blocking_engine)
+        await bench.setup()
+        yield bench, conditions
+    finally:
+        await bench.teardown()
+        await bench.engine.dispose()
+        bench.blocking_engine.dispose()
+        stack.close()
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    async with running(args, Bench) as (bench, conditions):
         conditions.add("  drivers", f"aiokafka {aiokafka.__version__}")
         conditions.add(
             "records",
@@ -358,7 +416,6 @@ async def main_async(args: argparse.Namespace) -> None:
             "header, the same in every scenario",
         )
         conditions.print()
-        await bench.setup()
         results = await measure(args, bench)
         by_name = {s.name: s for s in results}
         print_table("Kafka consumers", results, by_name[BY_HAND_BULK], "vs hand")
@@ -373,16 +430,14 @@ async def main_async(args: argparse.Namespace) -> None:
             ],
         )
         conditions.print_after()
-    finally:
-        await bench.teardown()
-        await bench.engine.dispose()
-        bench.blocking_engine.dispose()
-        stack.close()
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--messages", type=int, help="records per scenario per round (20000)")
+def parse_args(
+    argv: Sequence[str] | None = None, *, description: str | None = None, messages: int = 20000
+) -> argparse.Namespace:
+    """The options of this bench and of bench_kafka_offsets.py (``messages``: the default)."""
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, help=f"records per scenario per round ({messages})")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--body-size", type=int, default=256, help="record value bytes")
     parser.add_argument("--url", help="PostgreSQL URL; overrides CONSUMERDEDUP_BENCH_PG_URL")
@@ -391,7 +446,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_round_arguments(parser)
     args = parser.parse_args(argv)
     check_rounds(parser, args)
-    args.messages = args.messages or (2000 if args.quick else 20000)
+    args.messages = args.messages or (2000 if args.quick else messages)
     return args
 
 

@@ -41,7 +41,7 @@ def run(processor: BlockingProcessor, count: int, direct: bool) -> float:
     started = time.perf_counter()
     for message in messages:
         if direct:
-            processor._process([(message, None)], False)
+            processor._process([(message, None)], False, None)
         else:
             processor.process([(message, None)])
     return count / (time.perf_counter() - started)

@@ -4,6 +4,8 @@ A handler wrapped by a Deduplicator runs check -> BEGIN -> handle -> INSERT
 processed_events -> COMMIT, and the broker is acked only after COMMIT.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .dedup.async_deduplicator import AsyncBulkDedupHandler, AsyncDedupHandler, AsyncDeduplicator
 from .dedup.deduplicator import BulkDedupHandler, DedupHandler, Deduplicator
 from .dedup.settings import DeadLetterFailed
@@ -11,6 +13,7 @@ from .errors import (
     AuthenticationFailed,
     BatchMessageFailed,
     BrokerUnavailable,
+    CircuitOpen,
     CommitInHandler,
     ConfigurationError,
     ConsumerDedupError,
@@ -25,6 +28,12 @@ from .errors import (
     SimulatedCrash,
     TransactionBroken,
 )
+from .integrations.process_once import (
+    AsyncProcessOnce,
+    ProcessOnce,
+    process_once,
+    process_once_async,
+)
 from .message import MAX_ID_LENGTH, Message
 from .observe import OutcomeCounts
 from .outbox.outbox import Outbox
@@ -36,16 +45,33 @@ from .prune.pruner import Pruner, PruneReport
 from .retry import RetryPolicy
 from .schema import Tables, install
 
+if TYPE_CHECKING:
+    from .app import App
+
+
+def __getattr__(name: str) -> Any:
+    """``consumerdedup.App`` is imported when first asked for: it needs the ``app`` extra
+    (pydantic), which the rest of the package does not."""
+    if name == "App":
+        from .app import App
+
+        return App
+    raise AttributeError(f"module 'consumerdedup' has no attribute {name!r}")
+
+
 __all__ = [
     "MAX_ID_LENGTH",
+    "App",
     "AsyncBulkDedupHandler",
     "AsyncDedupHandler",
     "AsyncDeduplicator",
+    "AsyncProcessOnce",
     "AsyncPublisher",
     "AuthenticationFailed",
     "BatchMessageFailed",
     "BrokerUnavailable",
     "BulkDedupHandler",
+    "CircuitOpen",
     "CommitInHandler",
     "ConfigurationError",
     "ConsumerDedupError",
@@ -63,6 +89,7 @@ __all__ = [
     "OutcomeCounts",
     "PayloadMismatch",
     "PermanentError",
+    "ProcessOnce",
     "PruneReport",
     "Pruner",
     "PrunerConfig",
@@ -76,4 +103,6 @@ __all__ = [
     "Tables",
     "TransactionBroken",
     "install",
+    "process_once",
+    "process_once_async",
 ]

@@ -16,6 +16,7 @@ Every class here, drawn by what it derives from::
           |    +-- HeldBack ........ ordered: not tried, a message ahead will come again
           +-- TransactionBroken .... the handler broke our transaction; classified by its cause
           +-- BatchMessageFailed ... a bulk handler names the message that failed, and why
+          +-- CircuitOpen .......... the breaker stopped a runner: messages in a row failed alike
           +-- BrokerUnavailable .... cannot reach the broker (also a ConnectionError)
           +-- DestinationMissing ... the broker says the destination does not exist
     BaseException
@@ -130,6 +131,15 @@ class CommitInHandler(PermanentError):
 
 class HeldBack(RetryLater):
     """On an ordered source: not tried, because a message ahead of it will be delivered again."""
+
+
+class CircuitOpen(ConsumerDedupError):
+    """The circuit breaker is open: so many messages in a row failed for good with the same
+    exception type that the runner stopped taking messages (a broken deploy, not bad data).
+
+    A runner's ``run()`` ends with it; the messages of its last batch that were not tried
+    end RETRY with it as their reason (not acked: the broker keeps them).
+    """
 
 
 class BrokerUnavailable(ConsumerDedupError, ConnectionError):

@@ -15,5 +15,12 @@ CONSUMER_HEADER = "x-dead-letter-consumer"
 """On a dead letter: the consumer that refused it."""
 SOURCE_HEADER = "x-dead-letter-source"
 """On a dead letter: the topic or queue it was consumed from."""
+REPLAYED_HEADER = "x-replayed-from"
+"""On a copy ``failed replay`` sent: the dead letter it came from (``dlq:partition:offset``
+on Kafka). A Kafka runner with ``claim_ids=False`` claims the ids of a chunk holding one,
+so a replay killed and run again applies nothing twice."""
 DEAD_LETTER_SUFFIX = ".dlq"
 """Default dead-letter destination: the source's name plus this."""
+CELERY_TASK_HEADER = "x-dead-letter-celery-task"
+"""On a Celery task's dead letter: the task's name (``failed replay --celery-app`` sends it
+again; a plain ``--rabbitmq`` replay keeps it in the DLQ)."""

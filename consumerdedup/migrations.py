@@ -20,11 +20,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from datetime import date
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Connection, Table, text
 
-from .db import catalog
+from .db import catalog, mysql_types
 from .db.names import fit_name
 from .db.partitions import DayPartitions
 from .schema import Tables, install
@@ -92,3 +92,15 @@ def downgrade_extras(bind: Connection, tables: Tables) -> None:
         with catalog.bounded(bind, tables.outbox, "drop its NOTIFY trigger"):
             bind.execute(text(tables.drop_trigger_sql()))
     bind.execute(text(tables.drop_function_sql()))
+
+
+def render_item(type_: str, obj: Any, autogen_context: Any) -> Literal[False]:
+    """A ``render_item`` for ``context.configure`` when consumerdedup's tables are on your
+    MetaData: their MySQL column types (``consumerdedup.db.mysql_types``: the keys' binary
+    NO PAD collation, DATETIME(6) in UTC) are written into the migration with their import.
+    Every item is rendered as Alembic would (it returns False)."""
+    if type_ == "type":
+        variants = getattr(obj, "_variant_mapping", {}) or {}
+        if any(type(t).__module__ == mysql_types.__name__ for t in (obj, *variants.values())):
+            autogen_context.imports.add(f"import {mysql_types.__name__}")
+    return False

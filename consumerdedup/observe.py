@@ -2,7 +2,8 @@
 
 One line per final Result on the ``consumerdedup`` logger: PROCESSED at DEBUG,
 DUPLICATE at DEBUG (``log_duplicates_at(logging.INFO)`` to see them), RETRY at
-WARNING, FAILED at ERROR with the exception's traceback. The traceback is
+WARNING, FAILED at ERROR with the exception's traceback (unless its failed attempt's
+WARNING line, dedup.attempt_log, said it: once per distinct error). The traceback is
 scrubbed like a reason: its frames (file, line, function, source line) and each
 exception of the chain as ``describe`` says it, never str() of a driver's error
 (SQLAlchemy's carries the bound parameters), never frame locals or notes.
@@ -10,6 +11,7 @@ exception of the chain as ``describe`` says it, never str() of a driver's error
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import traceback
@@ -95,14 +97,27 @@ def scrubbed_traceback(error: BaseException) -> str:
     return "".join(parts).rstrip("\n")
 
 
+_SAID = "__consumerdedup_said__"
+"""Set on an error whose failed attempt was logged already (dedup.attempt_log), with its
+traceback there or before it: its FAILED line then goes without one, so that a deploy's
+one bug is one traceback in the log, not one per message."""
+
+
+def mark_said(error: BaseException) -> None:
+    """``error`` was logged as a failed attempt: its outcome line needs no traceback."""
+    with contextlib.suppress(AttributeError, TypeError):  # a type without a __dict__
+        setattr(error, _SAID, True)
+
+
 def log_result(consumer: str, result: Result) -> None:
     level = _LEVELS[result.outcome]
     if not logger.isEnabledFor(level):
         return
     message = result.message
     trace = ""
-    if result.outcome is Outcome.FAILED and result.error is not None:
-        trace = "\n" + scrubbed_traceback(result.error)
+    error = result.error
+    if result.outcome is Outcome.FAILED and error is not None and not getattr(error, _SAID, 0):
+        trace = "\n" + scrubbed_traceback(error)
     logger.log(
         level,
         "consumer=%s message_id=%r outcome=%s source=%s attempts=%d%s%s",
@@ -113,9 +128,12 @@ def log_result(consumer: str, result: Result) -> None:
         result.attempts,
         f" reason={result.reason}" if result.reason else "",
         trace,
-        extra={
+        extra={  # the same fields, for a JSON formatter (`consumerdedup run --log-format json`)
             "consumer": consumer,
             "message_id": message.id,
             "outcome": result.outcome.value,
+            "source": message.source,
+            "attempts": result.attempts,
+            "reason": result.reason,
         },
     )

@@ -10,7 +10,9 @@ from datetime import timedelta
 import sqlalchemy.exc
 import tenacity
 
+from .db import mysql_errors
 from .errors import ConfigurationError, PermanentError, RetryLater, TransactionBroken
+from .options import boolean, duration, integer, kinds, maybe, settle
 
 # SQLSTATE classes that mean "the same statement can succeed if tried again":
 # connection exceptions, serialization failure, deadlock, the server shutting
@@ -74,6 +76,8 @@ def setup_fault(error: BaseException) -> bool:
     orig = getattr(error, "orig", None) or error
     if getattr(orig, "sqlstate", None) in SETUP_SQLSTATES:
         return True
+    if mysql_errors.errno(orig) in mysql_errors.SETUP:
+        return True
     if getattr(orig, "sqlite_errorname", None) in _SETUP_SQLITE_CODES:
         return True
     return getattr(orig, "sqlite_errorname", None) == "SQLITE_ERROR" and any(
@@ -91,6 +95,8 @@ def uncoded(error: BaseException) -> bool:
     if error.statement is None:
         return False
     orig = error.orig
+    if mysql_errors.errno(orig) is not None:  # MySQL's number is its code
+        return False
     return not getattr(orig, "sqlstate", None) and not getattr(orig, "sqlite_errorname", None)
 
 
@@ -129,10 +135,10 @@ class Backoff:
     jitter: bool = True
 
     def __post_init__(self) -> None:
-        if self.first < timedelta(0) or self.longest < self.first:
-            raise ConfigurationError(
-                f"need 0 <= first <= longest, got {self.first} and {self.longest}"
-            )
+        settle(self, "first", duration(self.first, "Backoff.first", zero=True))
+        longest = duration(self.longest, "Backoff.longest", at_least=self.first)
+        settle(self, "longest", longest)
+        settle(self, "jitter", boolean(self.jitter, "Backoff.jitter"))
 
     def __call__(self, state: tenacity.RetryCallState) -> float:
         return self.delay(state.attempt_number)
@@ -153,9 +159,13 @@ _MAX_DOUBLINGS = 64
 class RetryPolicy:
     """Bounded in-process retries with exponential backoff and jitter (tenacity).
 
-    ``attempts`` counts every try of a message, the first included.
-    ``transient`` and ``permanent`` extend the built-in classification with
-    the caller's own exception types.
+    ``attempts`` counts every try of a message, the first included; a message's
+    n-th failed try is followed by ``initial_delay * 2**(n-1)`` (at most
+    ``max_delay``, plus jitter) before its next one. ``transient`` and
+    ``permanent`` extend the built-in classification with the caller's own
+    exception types. ``breaker_threshold``: under a runner, after this many
+    messages in a row FAILED with the same exception type, the runner stops
+    taking messages (consumerdedup.breaker; None: never).
     """
 
     attempts: int = 4
@@ -163,12 +173,11 @@ class RetryPolicy:
     max_delay: timedelta = timedelta(seconds=2)
     transient: tuple[type[BaseException], ...] = ()
     permanent: tuple[type[BaseException], ...] = ()
+    breaker_threshold: int | None = 10
 
     def __post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or self.attempts < 1:
-            raise ConfigurationError(f"attempts must be an int >= 1, got {self.attempts!r}")
-        if self.initial_delay < timedelta(0) or self.max_delay < self.initial_delay:
-            raise ConfigurationError("need 0 <= initial_delay <= max_delay")
+        maybe(self.breaker_threshold, "RetryPolicy.breaker_threshold", integer, at_least=1)
+        _check_retry_policy(self)
 
     def backoff(self) -> Backoff:
         """The wait before each attempt after the first."""
@@ -185,6 +194,17 @@ class RetryPolicy:
         if isinstance(exc, self.transient):
             return ErrorKind.TRANSIENT
         return classify(exc)
+
+
+def _check_retry_policy(policy: RetryPolicy) -> None:
+    """RetryPolicy's own options (a function of its own: its __post_init__ is shared)."""
+    settle(policy, "attempts", integer(policy.attempts, "RetryPolicy.attempts", at_least=1))
+    first = duration(policy.initial_delay, "RetryPolicy.initial_delay", zero=True)
+    settle(policy, "initial_delay", first)
+    longest = duration(policy.max_delay, "RetryPolicy.max_delay", at_least=first)
+    settle(policy, "max_delay", longest)
+    settle(policy, "transient", kinds(policy.transient, "RetryPolicy.transient"))
+    settle(policy, "permanent", kinds(policy.permanent, "RetryPolicy.permanent"))
 
 
 def classify(exc: BaseException) -> ErrorKind:
@@ -251,6 +271,9 @@ def _driver_kind(exc: sqlalchemy.exc.DBAPIError) -> ErrorKind:
         return ErrorKind.UNKNOWN
     if exc.connection_invalidated or setup_fault(exc):
         return ErrorKind.TRANSIENT
+    number = mysql_errors.errno(exc)
+    if number is not None:  # MySQL's SQLSTATEs are too coarse: its error number decides
+        return ErrorKind.TRANSIENT if number in mysql_errors.TRANSIENT else ErrorKind.UNKNOWN
     if sqlstate:
         transient = sqlstate.startswith(_TRANSIENT_SQLSTATES)
         return ErrorKind.TRANSIENT if transient else ErrorKind.UNKNOWN

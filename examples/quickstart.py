@@ -8,7 +8,7 @@ from consumerdedup import Deduplicator, Message, Outcome, install
 engine = create_engine("sqlite://")  # or "postgresql+psycopg://user@host/db"
 install(engine)  # creates processed_events and outbox if missing
 with engine.begin() as conn:
-    conn.execute(text("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER)"))
+    conn.execute(text("CREATE TABLE accounts (id VARCHAR(64) PRIMARY KEY, balance INTEGER)"))
     conn.execute(text("INSERT INTO accounts VALUES ('alice', 0)"))
 
 dedup = Deduplicator(engine, consumer="ledger")

@@ -18,8 +18,10 @@ from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunn
 engine = create_engine("sqlite:///walkthrough.db")  # or "postgresql+psycopg://user@host/db"
 install(engine)  # processed_events and outbox, if missing
 with engine.begin() as conn:
-    conn.execute(text("CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, total INTEGER)"))
-    conn.execute(text("CREATE TABLE IF NOT EXISTS shipments (order_id TEXT PRIMARY KEY)"))
+    conn.execute(
+        text("CREATE TABLE IF NOT EXISTS orders (id VARCHAR(64) PRIMARY KEY, total INTEGER)")
+    )
+    conn.execute(text("CREATE TABLE IF NOT EXISTS shipments (order_id VARCHAR(64) PRIMARY KEY)"))
 
 broker = MemoryBroker(duplicate_rate=0.2, seed=3)  # 20% of acked messages come again
 outbox = Outbox()

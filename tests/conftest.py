@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumerdedup import Tables, install
-from tests.support import services
+from tests.support import mariadb_service, services
 
 # CI (CI=true, as .ci/run sets): the same examples on every run, so a failure found there
 # is found again; no per-example deadline on a loaded 2-core machine (a slow example is
@@ -62,6 +62,20 @@ class Database:
         return name
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """An asyncpg flavor runs on PostgreSQL only: its pairings with another database are
+    not tests at all (deselected, not skipped: CI counts a skip as a failure)."""
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        on_asyncpg = str(params.get("flavor", "")).startswith("asyncpg-")
+        elsewhere = not str(params.get("db", "postgresql")).startswith("postgresql")
+        (dropped if on_asyncpg and elsewhere else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """In CI (``services.required()``) a skipped test is a failed one, whatever skipped it:
@@ -102,6 +116,11 @@ def postgres_url() -> str:
     return services.postgres_url()
 
 
+@pytest.fixture(scope="session")
+def mariadb_url() -> str:
+    return mariadb_service.mariadb_url()
+
+
 def _sqlite(tmp_path: Path) -> Iterator[Database]:
     path = tmp_path / "test.db"
     engine = create_engine(f"sqlite:///{path}", **_engine_options("sqlite"))
@@ -131,10 +150,37 @@ def _postgres(url: str, partitioned: bool = False) -> Iterator[Database]:
         engine.dispose()
 
 
+def _mariadb(url: str) -> Iterator[Database]:
+    """A database of the test's own on the MariaDB server (a MySQL schema is a database)."""
+    with mariadb_service.isolated_database(url) as schema:
+        engine = create_engine(mariadb_service.in_database(url, schema), **_engine_options("mysql"))
+        tables = Tables.define(f"{schema}.processed_events", f"{schema}.outbox")
+        try:
+            install(engine, tables)
+            yield Database(
+                "mysql",
+                mariadb_service.in_database(url, schema),
+                mariadb_service.async_url(mariadb_service.in_database(url, schema)),
+                schema,
+                engine,
+                tables,
+            )
+        finally:
+            engine.dispose()
+
+
+def postgres_database(url: str, partitioned: bool = False) -> Iterator[Database]:
+    """A schema of its own on the PostgreSQL server at ``url`` (a private one, say)."""
+    yield from _postgres(url, partitioned=partitioned)
+
+
 def database(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterator[Database]:
-    """``sqlite``, ``postgresql``, or ``postgresql-partitioned`` (processed_events by day)."""
+    """``sqlite``, ``postgresql``, ``postgresql-partitioned`` (processed_events by day), or
+    ``mariadb`` (MariaDB/MySQL through PyMySQL, aiomysql for asyncio)."""
     if kind == "sqlite":
         yield from _sqlite(tmp_path)
+    elif kind == "mariadb":
+        yield from _mariadb(request.getfixturevalue("mariadb_url"))
     else:
         url = request.getfixturevalue("postgres_url")
         yield from _postgres(url, partitioned=kind == "postgresql-partitioned")
@@ -183,17 +229,29 @@ def pg(postgres_url: str) -> Iterator[Database]:
 
 
 @pytest.fixture
+def mariadb(mariadb_url: str) -> Iterator[Database]:
+    """MariaDB only (InnoDB): a database of the test's own, the library's tables installed."""
+    yield from _mariadb(mariadb_url)
+
+
+@pytest.fixture
 def sqlite_db(tmp_path: Path) -> Iterator[Database]:
     yield from _sqlite(tmp_path)
 
 
-@pytest.fixture(params=["sync-claim", "sync-check", "async-claim", "async-check"])
+FLAVORS = ["sync-claim", "sync-check", "async-claim", "async-check"]
+ASYNCPG_FLAVORS = ["asyncpg-claim", "asyncpg-check"]
+"""AsyncDeduplicator on asyncpg: PostgreSQL only (pytest_collection_modifyitems)."""
+
+
+@pytest.fixture(params=FLAVORS + ASYNCPG_FLAVORS)
 def flavor(request: pytest.FixtureRequest, db: Database) -> Iterator[object]:
-    """Deduplicator or AsyncDeduplicator, claim-first or check-first, on ``db``'s database."""
-    from tests.support.flavors import AsyncFlavor, SyncFlavor
+    """Deduplicator or AsyncDeduplicator (psycopg or aiosqlite; on PostgreSQL asyncpg too),
+    claim-first or check-first, on ``db``'s database."""
+    from tests.support.flavors import AsyncFlavor, AsyncpgFlavor, SyncFlavor
 
     kind, mode = request.param.split("-")
-    flavor_class = SyncFlavor if kind == "sync" else AsyncFlavor
+    flavor_class = {"sync": SyncFlavor, "async": AsyncFlavor, "asyncpg": AsyncpgFlavor}[kind]
     chosen = flavor_class(db, claim_first=mode == "claim")
     yield chosen
     chosen.close()

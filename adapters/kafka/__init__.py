@@ -15,10 +15,12 @@ from .errors import (
     AuthenticationFailed,
     BrokerRefused,
     BrokerUnavailable,
+    DeadLetterMissing,
     KafkaAdapterError,
     PublishFailed,
     PublishRefused,
     TopicMissing,
+    TopicRefused,
 )
 from .publisher import KafkaPublisher
 from .runner import KafkaConsumerRunner
@@ -32,6 +34,7 @@ __all__ = [
     "AuthenticationFailed",
     "BrokerRefused",
     "BrokerUnavailable",
+    "DeadLetterMissing",
     "KafkaAdapterError",
     "KafkaConfig",
     "KafkaConsumerRunner",
@@ -40,4 +43,5 @@ __all__ = [
     "PublishFailed",
     "PublishRefused",
     "TopicMissing",
+    "TopicRefused",
 ]

@@ -15,6 +15,7 @@ from aiokafka import errors as kafka_errors
 from aiokafka.conn import create_conn  # type: ignore[import-untyped]
 
 from consumerdedup import ConfigurationError
+from consumerdedup.options import refuse
 from consumerdedup.reasons import describe
 
 from .errors import AuthenticationFailed
@@ -32,7 +33,7 @@ def check_bootstrap(servers: object) -> None:
     elif isinstance(servers, Sequence) and all(isinstance(s, str) for s in servers):
         entries = list(servers)
     else:
-        raise ConfigurationError(f"{hint}, got a {type(servers).__name__}")
+        raise refuse("bootstrap_servers", servers, "host:port[,host:port...] or a list of them")
     if not entries:
         raise ConfigurationError(f"{hint}, got none")
     for entry in (e.strip() for e in entries):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 from consumerdedup import MAX_ID_LENGTH, Message
@@ -80,7 +81,7 @@ def unreadable(record: Any) -> Message:
 def _converted(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
     headers: dict[str, str] = {}
     raw_id: bytes | None = None
-    has_id = False
+    id_header = config.id_header
     for name, value in record.headers:
         if not isinstance(name, str) or not isinstance(value, bytes | None):
             raise TypeError(
@@ -88,19 +89,21 @@ def _converted(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
             )
         # Non-UTF-8 header values stay readable, and intact in ``raw.headers``.
         headers[name] = (value or b"").decode("utf-8", errors="backslashreplace")
-        if name == config.id_header:  # the last one wins, as in the Java client's lastHeader()
-            raw_id, has_id = value or b"", True
-    if not isinstance(record.value, bytes | None):
-        raise TypeError(f"the value is a {type(record.value).__name__}, not bytes")
+        if name == id_header:  # the last one wins, as in the Java client's lastHeader()
+            raw_id = value or b""
+    value = record.value
+    if not isinstance(value, bytes | None):
+        raise TypeError(f"the value is a {type(value).__name__}, not bytes")
     # The id is known before the Message is made, so it is made once, except on the key
     # function's path (called with the Message, without an id).
-    message_id, refusal = _header_id(raw_id if has_id else None, config)
+    message_id, refusal = _header_id(raw_id, config)
     if message_id is None and refusal is None and config.key is None and config.coordinates_as_id:
         message_id = coordinates_id(record)
     message = Message(
         id=message_id,
-        body=record.value if record.value is not None else b"",
-        headers=headers,
+        body=value if value is not None else b"",
+        # Read-only already: Message keeps it as it is, without a copy (the dict is ours).
+        headers=MappingProxyType(headers),
         source=record.topic,
         partition=record.partition,
         offset=record.offset,

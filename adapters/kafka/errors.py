@@ -33,5 +33,17 @@ class PublishRefused(PublishFailed):
     topic, invalid): sending the same record again cannot succeed."""
 
 
+class TopicRefused(PublishRefused):
+    """The broker refuses the topic itself (an invalid name, a topic policy): no record can
+    ever be sent to it."""
+
+
 class AuthenticationFailed(BrokerRefused, errors.AuthenticationFailed):
     """The broker refused the SASL credentials (or the mechanism): fatal, never retried."""
+
+
+class DeadLetterMissing(KafkaAdapterError, ConfigurationError):
+    """The dead-letter topic does not exist and the broker will not create it (auto-create
+    off, no right to create topics, a name it refuses): a setup fault that stops the runner.
+    The FAILED record's offset is not committed: it is read again, and dead-lettered, once
+    the topic exists and the runner is restarted."""

@@ -11,19 +11,22 @@ from typing import Any
 from aiokafka.errors import (  # type: ignore[import-untyped]
     KafkaError,
     KafkaTimeoutError,
+    NoError,
     UnknownTopicOrPartitionError,
 )
 
+from consumerdedup.options import boolean, mapping, maybe
 from consumerdedup.outbox.publisher import AsyncPublisher, NotSent, Outgoing
 from consumerdedup.reasons import describe
 
 from . import connection
-from .config import DEFAULT_BOOTSTRAP
+from .config import DEFAULT_BOOTSTRAP, PRODUCER_OPTIONS
 from .connection import producer_settings
-from .errors import BrokerUnavailable, PublishFailed, PublishRefused, TopicMissing
-from .publish_failures import PRODUCER_STATE, start_failure
+from .errors import BrokerUnavailable, PublishFailed, PublishRefused, TopicMissing, TopicRefused
+from .publish_failures import PRODUCER_STATE, start_failure, topic_answer, topic_refusal
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, bytes]]
+_KNOWN = "an AIOKafkaProducer argument"
 TOPIC_LIST_TIMEOUT = 10.0
 """Seconds the broker has to list its topics when a send failed in a way that may mean
 either "no such topic" or "no broker"."""
@@ -37,11 +40,14 @@ class KafkaPublisher(AsyncPublisher):
     ``options`` are passed to ``AIOKafkaProducer`` (``linger_ms``, security...).
     Started on first use, or with ``start()`` / ``async with``; ``stop()`` flushes.
 
-    A topic the broker does not have (and does not create) raises TopicMissing,
-    a broker that does not answer BrokerUnavailable. aiokafka reports both the
-    same way, after ``request_timeout_ms`` (40 s by default): the broker's topic
-    list tells them apart. Once a topic is known to be missing, later sends to
-    it ask that list first and fail at once until the topic appears.
+    Before the first send to a topic the broker is asked about it (as a send would,
+    letting it create the topic): one it does not have and will not create raises
+    TopicMissing at once, one whose name it refuses TopicRefused (a PublishRefused),
+    without aiokafka's 40 s wait. A topic missing later (deleted) and a broker that
+    does not answer are reported by aiokafka the same way, after ``request_timeout_ms``:
+    the broker's topic list tells them apart (TopicMissing, BrokerUnavailable). Once a
+    topic is known to be missing, later sends to it ask that list first and fail at once
+    until the topic appears.
     """
 
     def __init__(
@@ -52,10 +58,15 @@ class KafkaPublisher(AsyncPublisher):
         options: Mapping[str, Any] | None = None,
     ) -> None:
         connection.check_bootstrap(bootstrap_servers)
-        self._settings = producer_settings(bootstrap_servers, enable_idempotence, options or {})
+        idempotent = boolean(enable_idempotence, "KafkaPublisher.enable_idempotence")
+        passed = maybe(
+            options, "KafkaPublisher.options", mapping, allowed=PRODUCER_OPTIONS, allowed_are=_KNOWN
+        )
+        self._settings = producer_settings(bootstrap_servers, idempotent, passed or {})
         self._producer: Any = None
         self._starting = asyncio.Lock()
         self._missing: set[str] = set()
+        self._known: set[str] = set()  # topics the broker said it has
 
     async def start(self) -> None:
         async with self._starting:
@@ -78,6 +89,11 @@ class KafkaPublisher(AsyncPublisher):
                     raise start_failure(exc, self._settings) from exc
                 raise
             self._producer = producer
+
+    @property
+    def client(self) -> Any:
+        """The started producer's aiokafka client (metadata requests), or None."""
+        return None if self._producer is None else self._producer.client
 
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
@@ -115,7 +131,8 @@ class KafkaPublisher(AsyncPublisher):
         if self._producer is None:
             await self.start()
         pending: list[Any] = []
-        refused: dict[str, BaseException] = {}  # topics found missing in this window
+        refused: dict[str, BaseException] = {}  # topics found missing or refused in this window
+        asked: set[str] = set()  # topics asked about in this window
         failed_keys: set[str] = set()  # failed before sending: their later messages wait
         failed = False  # an outcome known before the gather (rare): wrapped below
         send = self._producer.send
@@ -129,6 +146,9 @@ class KafkaPublisher(AsyncPublisher):
                     raise refused[topic]
                 if topic in self._missing:
                     await self._refuse_if_still_missing(topic)
+                elif topic not in self._known and topic not in asked:
+                    asked.add(topic)
+                    await self._check_topic(topic)
                 pending.append(
                     await send(
                         topic,
@@ -137,8 +157,8 @@ class KafkaPublisher(AsyncPublisher):
                         headers=_header_list(headers),
                     )
                 )
-            except (TopicMissing, KafkaError) as exc:
-                if isinstance(exc, TopicMissing):
+            except (TopicMissing, TopicRefused, KafkaError) as exc:
+                if isinstance(exc, TopicMissing | TopicRefused):
                     refused[topic] = exc
                 pending.append(exc)
                 failed = True
@@ -175,6 +195,8 @@ class KafkaPublisher(AsyncPublisher):
                 await self.start()
             if topic in self._missing:
                 await self._refuse_if_still_missing(topic)
+            elif topic not in self._known:
+                await self._check_topic(topic)
             return await self._producer.send_and_wait(
                 topic, value, key=_bytes(key), headers=_header_list(headers)
             )
@@ -198,6 +220,19 @@ class KafkaPublisher(AsyncPublisher):
                 self._missing.add(topic)
                 return TopicMissing(f"{reason}: topic {topic!r} does not exist")
         return BrokerUnavailable(reason)
+
+    async def _check_topic(self, topic: str) -> None:
+        """Before the first send to ``topic``: TopicMissing or TopicRefused at once if the
+        broker says so (see ``topic_answer``); any other answer, or none, lets the send try."""
+        answer = await topic_answer(self.client, topic)
+        refusal = topic_refusal(topic, answer)
+        if refusal is None:
+            if answer is NoError:
+                self._known.add(topic)
+            return
+        if isinstance(refusal, TopicMissing):
+            self._missing.add(topic)
+        raise refusal
 
     async def _refuse_if_still_missing(self, topic: str) -> None:
         found = await self._topics()

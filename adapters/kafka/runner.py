@@ -4,24 +4,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aiokafka.errors import IllegalStateError, KafkaError  # type: ignore[import-untyped]
 
-from consumerdedup import ConfigurationError, Outcome, Result
+from consumerdedup import Outcome, Result, collector
 from consumerdedup.dedup.processing import AsyncProcessor, Handler
-from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
+from consumerdedup.headers import REPLAYED_HEADER
+from consumerdedup.lifecycle import BeforeAck, ConsumerRunner, DeadlinePassed
+from consumerdedup.options import instance, matching, maybe, names, refuse, text
 
 from . import acks, connection, undecodable
-from .config import DEFAULT_BOOTSTRAP, KafkaConfig
+from .config import CONSUMED_RULE, CONSUMED_TOPIC, DEFAULT_BOOTSTRAP, KafkaConfig
 from .convert import to_message
 from .dead_letters import DeadLetters
+from .offsets import OffsetStore
+from .ownership import Ownership
 from .publisher import KafkaPublisher
 from .retry_later import RetrySchedule
 from .subscription import InFlight, RebalanceListener, all_of, in_flight_limit
 
 logger = logging.getLogger("consumerdedup.kafka")
+_CONFIG = "a KafkaConfig or None"
+
+
+def _topic(name: object, option: str) -> str:
+    return matching(name, option, CONSUMED_TOPIC, CONSUMED_RULE)
+
+
+_DEADLINE_CHECK = 0.5
+"""How often run() looks for a deadline given to stop() while nothing else wakes it."""
+DEAD_LETTER_TRIES = 3
+"""Offsets in the database: sends of a chunk's dead letters before one still unsent is
+logged at ERROR with its coordinates (the offset moved past it with the chunk's commit)."""
 
 
 class KafkaConsumerRunner(ConsumerRunner):
@@ -46,6 +62,10 @@ class KafkaConsumerRunner(ConsumerRunner):
     - Auto-commit is off, so a crash, a cancel or a SimulatedCrash commits
       nothing more: what was not committed is delivered again, and the
       dedup table answers DUPLICATE for what the database already has.
+    - ``KafkaConfig(offsets="database")``: each chunk's transaction also writes the
+      partition's next offset to consumer_offsets, fenced by the owner epoch taken at
+      assignment (ownership.py); assignment seeks to it; the broker commit follows for
+      lag tooling only.
     """
 
     def __init__(
@@ -60,17 +80,27 @@ class KafkaConsumerRunner(ConsumerRunner):
     ) -> None:
         super().__init__(before_ack=before_ack)
         self.processor = AsyncProcessor(handler)
-        self.topics = (topics,) if isinstance(topics, str) else tuple(topics)
-        if not self.topics or not all(isinstance(t, str) and t for t in self.topics):
-            raise ConfigurationError("topics must be a topic name or a non-empty list of them")
+        self._use_breaker(self.processor.breaker)
+        self.topics = names(topics, "KafkaConsumerRunner.topics", each=_topic)
+        config = maybe(config, "KafkaConsumerRunner.config", instance, KafkaConfig, _CONFIG)
         self.config = config if config is not None else KafkaConfig()
+        maybe(group_id, "KafkaConsumerRunner.group_id", text)
         if any(self.config.dead_letters_of(t) in self.topics for t in self.topics):
-            raise ConfigurationError("a dead-letter topic must not be one of the consumed topics")
+            raise refuse(
+                "KafkaConfig.dead_letter_topic",
+                self.config.dead_letter_topic,
+                f"a topic none of the consumed topics {list(self.topics)!r:.120} is",
+            )
         self.config.check_dead_letters(self.topics)
         connection.check_bootstrap(bootstrap_servers)
         self.handler = handler
         self.bootstrap_servers = bootstrap_servers
         self.group_id = group_id or self.processor.consumer
+        self._ownership: Ownership | None = None
+        """Offsets in the database: the partitions owned, and the epoch of each."""
+        if self.config.offsets == "database":
+            store = OffsetStore(handler.dedup.engine, handler.dedup.tables, self.group_id)
+            self._ownership = Ownership(store, self.config.claim_ids)
         self.consumer: Any = None
         """The AIOKafkaConsumer while ``run()`` runs."""
         self._in_flight = InFlight()  # the chunks a revocation waits for
@@ -87,11 +117,13 @@ class KafkaConsumerRunner(ConsumerRunner):
         """
         if self.consumer is not None:
             raise RuntimeError("this runner is already running")
-        await self.processor.check_startup()  # a missing table or right stops it here
+        # A missing table or right stops it here; a database away is waited for.
+        if not await self.start_checked_async(self._check_startup):
+            return
         cfg = self.config
         consumer = connection.consumer(self.bootstrap_servers, self.group_id, cfg.consumer_options)
         listener = RebalanceListener(
-            lambda tps: self._revoked(tps), lambda tps: self._in_flight.assigned()
+            lambda tps: self._revoked(tps), lambda tps: self._assigned(consumer, tps)
         )
         consumer.subscribe(list(self.topics), listener=listener)
         publisher = KafkaPublisher(
@@ -102,6 +134,9 @@ class KafkaConsumerRunner(ConsumerRunner):
         dead_letters = DeadLetters(publisher, cfg, self.processor.consumer)
         self._schedule.paused.clear()
         self._positions.clear()
+        if self._ownership is not None:
+            self._ownership.owned.clear()
+            self._ownership.pending.clear()
         self._in_flight = InFlight()  # bound to this run's event loop
         self._width = in_flight_limit(self.handler.dedup.engine, cfg.partitions_in_flight)
         self.consumer = consumer
@@ -118,8 +153,13 @@ class KafkaConsumerRunner(ConsumerRunner):
             # idempotent one on Tansu) is a setup fault (BrokerRefused, a ConfigurationError
             # naming idempotent_producer=False), said before any record is read.
             await publisher.start()
-            await self._consume(consumer, dead_letters, until_idle)
+            collector.freeze_once()  # set up: the collector stops walking it (collector.py)
+            await self._until_deadline(self._consume(consumer, dead_letters, until_idle))
+            self.breaker.raise_if_open()  # it stopped taking messages: CircuitOpen
+        except DeadlinePassed as passed:
+            self.gave_up(passed)
         finally:
+            self._set_ready(False)
             self.consumer = None
             # Auto-commit is off: closing commits nothing, whatever ended the loop.
             await consumer.stop()
@@ -129,7 +169,10 @@ class KafkaConsumerRunner(ConsumerRunner):
         schedule = self._schedule
         poll = self.config.poll_timeout.total_seconds()
         while not self.stopping:
+            self.tick()
             schedule.resume_due(consumer)
+            if self._ownership is not None and self._ownership.pending:
+                await self._ownership.take(consumer, self._positions, lambda: self._in_flight.epoch)
             # Taken before the fetch: a revocation during one of its getmany calls makes what
             # the calls before it returned stale.
             epoch = self._in_flight.epoch
@@ -146,6 +189,46 @@ class KafkaConsumerRunner(ConsumerRunner):
                     return
                 continue
             await self._handle_fetch(consumer, dead_letters, fetched, epoch)
+
+    async def _check_startup(self) -> None:
+        await self.processor.check_startup()
+        if self._ownership is not None:
+            await self._ownership.check_startup(self.handler)
+
+    def _assigned(self, consumer: Any, assigned: Any) -> None:
+        self._in_flight.assigned()
+        if self._ownership is not None:
+            self._ownership.assigned(consumer, assigned)
+        self._set_ready(True)  # a member given no partition is ready too: the group is joined
+
+    async def _until_deadline(self, consuming: Coroutine[Any, Any, None]) -> None:
+        """Await ``consuming`` in run()'s own task; past the deadline given to stop(), a
+        watcher cancels that task: the chunks in flight roll back or, committed, are not acked
+        (DeadlinePassed), and come again. Not a task of its own: a BaseException a handler
+        raises (SystemExit, KeyboardInterrupt) must leave run() as it is, not the event loop."""
+        current = asyncio.current_task()
+        assert current is not None  # run() is a coroutine awaited by a task
+        fired = asyncio.Event()
+        watcher = asyncio.ensure_future(self._watch_deadline(current, fired))
+        try:
+            await consuming
+        except asyncio.CancelledError:
+            if not fired.is_set():
+                raise  # run() itself was cancelled
+        finally:
+            watcher.cancel()
+        if fired.is_set():  # cancelled by the watcher, whether or not the loop swallowed it
+            current.uncancel()
+            raise DeadlinePassed("the chunks in flight were cancelled")
+
+    async def _watch_deadline(self, consuming: asyncio.Task[Any], fired: asyncio.Event) -> None:
+        while True:
+            left = self.deadline_left
+            if left is not None and left <= 0:
+                fired.set()
+                consuming.cancel()
+                return
+            await asyncio.sleep(_DEADLINE_CHECK if left is None else min(left, _DEADLINE_CHECK))
 
     async def _idle(self, consumer: Any) -> bool:
         """Lag 0 as this member can tell, and no rebalance under way or come meanwhile: a
@@ -186,7 +269,7 @@ class KafkaConsumerRunner(ConsumerRunner):
                         # A rebalance made the rest of this fetch stale, but the consumer's
                         # position moved past it: read it again, or a later chunk's commit
                         # would skip it.
-                        await acks.read_again(consumer, tp, records[start].offset)
+                        await self._read_again(consumer, tp, records[start].offset)
                         return
                     try:
                         chunk = records[start : start + size]
@@ -213,7 +296,7 @@ class KafkaConsumerRunner(ConsumerRunner):
                 return
             if not self._in_flight.begin(epoch):
                 if found or refused:  # stale, and the position is past them: read them again
-                    await acks.read_again(consumer, tp, (found or refused)[0].offset)
+                    await self._read_again(consumer, tp, (found or refused)[0].offset)
                 return
             try:
                 if found and not await self._handle(consumer, dead_letters, tp, found):
@@ -223,10 +306,21 @@ class KafkaConsumerRunner(ConsumerRunner):
             finally:
                 self._in_flight.end()
 
+    async def _read_again(self, consumer: Any, tp: Any, first: int) -> None:
+        """Records from ``first`` on were fetched but not handled: read them again (from the
+        offset in the database, when it is kept there and ``tp`` is owned)."""
+        stored = None if self._ownership is None else self._ownership.start_of(tp)
+        if stored is None:
+            await acks.read_again(consumer, tp, first)
+        else:
+            acks.seek(consumer, tp, stored)
+
     async def _handle(
         self, consumer: Any, dead_letters: DeadLetters, tp: Any, records: Sequence[Any]
     ) -> bool:
         """One transaction, its dead letters, its offset commit; False if it sought back."""
+        if self._ownership is not None:
+            return await self._handle_in_database(consumer, dead_letters, tp, records)
         results = await self._process(records)
         self.committed(results)  # the before_ack hook: a SimulatedCrash leaves from here
         done = next((i for i, r in enumerate(results) if r.outcome is Outcome.RETRY), len(results))
@@ -243,13 +337,99 @@ class KafkaConsumerRunner(ConsumerRunner):
         self._positions[tp] = records[-1].offset + 1
         return True
 
-    async def _process(self, records: Sequence[Any]) -> list[Result]:
+    async def _handle_in_database(
+        self, consumer: Any, dead_letters: DeadLetters, tp: Any, records: Sequence[Any]
+    ) -> bool:
+        """``_handle`` with the offset in the chunk's transactions: the database moved the
+        partition on before any dead letter or broker commit; False if it sought back or
+        the partition is not (or no longer) this consumer's."""
+        ownership = self._ownership
+        assert ownership is not None
+        owned = ownership.owned.get(tp)
+        if owned is None:  # fenced, or not taken yet: its owner reads it from the database
+            return False
+        if owned.stored is not None and records[0].offset < owned.stored:
+            # Committed already. Read at all only after a reset of the position (the
+            # database's offset past the log's end: a topic deleted and made again).
+            logger.warning(
+                "%s: records from offset %d read below the database's offset %d are skipped "
+                "(a topic made again keeps its old offsets in consumer_offsets: delete them)",
+                tp,
+                records[0].offset,
+                owned.stored,
+            )
+            records = [r for r in records if r.offset >= owned.stored]
+            if not records:
+                return True
+        # A copy `failed replay` sent is claimed even offsets only: a replay killed before
+        # its commit on the dead-letter topic sends it again, at another offset.
+        claims = ownership.claims or any(
+            key == REPLAYED_HEADER for record in records for key, _ in record.headers
+        )
+        fence = ownership.store.fence(tp.topic, tp.partition, owned, claims)
+        fence.recheck = owned.recheck and not claims
+        results = await self._process(records, fence)
+        if fence.fenced:
+            ownership.fenced(consumer, tp)
+            return False
+        if fence.written is not None and (owned.stored is None or fence.written > owned.stored):
+            owned.stored = fence.written  # committed: a read again starts here, not before
+        self.committed(results)  # the before_ack hook: a SimulatedCrash leaves from here
+        done = next((i for i, r in enumerate(results) if r.outcome is Outcome.RETRY), len(results))
+        if done:
+            target = records[done - 1].offset + 1
+            # The dead letters first: with claims the transactions stopped the offset before
+            # the first FAILED record, and refused records at the chunk's end were decided
+            # with nothing to commit; killed before the advance, they are read again.
+            await self._dead_letters_in_database(dead_letters, records[:done], results[:done])
+            covered = (fence.written or 0) >= target
+            if not covered and not await ownership.advance(consumer, tp, fence, target):
+                return False
+            owned.stored, owned.recheck = target, False
+            self._schedule.settled(records[:done])
+            await acks.commit(consumer, tp, target)  # for lag tooling: the database decides
+        if done < len(records):
+            self._schedule.retry(consumer, tp, records[done], results[done])
+            self._positions[tp] = records[done].offset
+            return False
+        self._positions[tp] = records[-1].offset + 1
+        return True
+
+    async def _dead_letters_in_database(
+        self, dead_letters: DeadLetters, records: Sequence[Any], results: Sequence[Result]
+    ) -> None:
+        """The FAILED records' dead letters, tried DEAD_LETTER_TRIES times: the offset is
+        past them already, so they are not read again; one still unsent is logged at ERROR
+        with its coordinates (its FAILED record stays in processed_events, its record in the
+        topic until the topic's retention)."""
+        sent = await dead_letters.send_failed(records, results)
+        for tries in range(1, DEAD_LETTER_TRIES):
+            if sent == len(records) or self.stopping:
+                break
+            await asyncio.sleep(self._schedule.backoff.delay(tries))
+            sent += await dead_letters.send_failed(records[sent:], results[sent:])
+        for record, result in zip(records[sent:], results[sent:], strict=True):
+            if result.outcome is Outcome.FAILED:
+                logger.error(
+                    "%s[%d] offset %d (id %r) FAILED and not dead-lettered: the broker refused "
+                    "or was away %d times; its FAILED record is kept (consumerdedup failed "
+                    "list), the record stays in the topic at that offset",
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    result.message.id,
+                    DEAD_LETTER_TRIES,
+                )
+
+    async def _process(self, records: Sequence[Any], fence: Any = None) -> list[Result]:
         # A chunk is one partition's records in offset order: nothing commits behind a retry.
         delivered = [to_message(record, self.config) for record in records]
-        return await self.processor.process(delivered, ordered=True)
+        return await self.processor.process(delivered, ordered=True, fence=fence)
 
     async def _revoked(self, revoked: Any) -> None:
         await self._in_flight.revoke()  # the chunks in flight finish and commit first
+        if self._ownership is not None:  # none of their offsets is written from now on
+            self._ownership.revoked(revoked)
         for tp in revoked:
             self._schedule.forget(tp)
             self._positions.pop(tp, None)

@@ -151,8 +151,11 @@ class ConfirmWindow:
         self._wake()
 
     def _wake(self) -> None:
-        """End the current ``process_data_events`` (it returns on a ready event)."""
-        self.connection.add_callback_threadsafe(lambda: None)
+        """End the current ``process_data_events`` (it returns on a ready event). Not on a
+        connection that is closing: it returns by itself then, and pika refuses the call
+        (raised inside pika's own connection-lost handling, it was logged with a traceback)."""
+        if self.connection.is_open:
+            self.connection.add_callback_threadsafe(lambda: None)
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> None:
         while not done():

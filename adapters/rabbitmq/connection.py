@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -146,6 +148,49 @@ def _log_attempt(state: tenacity.RetryCallState) -> None:
         error,
         wait,
     )
+
+
+_handling = threading.local()  # .depth: this thread is inside losses_handled()
+
+
+class _PikaLinesWeHandle(logging.Filter):
+    """pika's lines written in a thread inside ``losses_handled()``: DEBUG, so kept only
+    where pika's DEBUG is on (a handler's own level may let a demoted line through, so
+    the logger's decides)."""
+
+    installed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(_handling, "depth", 0) or record.levelno <= logging.DEBUG:
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+_DEMOTE = _PikaLinesWeHandle()
+
+
+@contextmanager
+def losses_handled() -> Iterator[None]:
+    """What pika logs in this thread meanwhile is DEBUG (dropped unless pika's DEBUG is on):
+    the caller handles what pika raises (a lost connection or channel) and says so in one
+    line of its own.
+
+    pika logs a lost connection from several loggers at ERROR, some with a traceback, then
+    raises it to its caller: a burst of lines for one reconnect, in the service's log.
+    Records of other threads, and pika's lines outside such a block, are left alone.
+    """
+    if not _DEMOTE.installed:  # on every pika logger: a filter applies to its own logger only
+        for name in [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "pika"]:
+            logging.getLogger(name).addFilter(_DEMOTE)
+        _DEMOTE.installed = True
+    _handling.depth = getattr(_handling, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _handling.depth -= 1
 
 
 def header_frame_size(properties: Any) -> int:

@@ -5,10 +5,16 @@ that channel only, so the consuming channel keeps its deliveries and can still a
 batch-mates. A refusal for good (over the broker's max_message_size, no access, properties
 over the frame size) must not hold the queue, so a copy without the body goes, then a bare
 one (no original header either); if that is refused too the loss is logged at ERROR and the
-FAILED record is kept. A failure that may pass (no DLQ or exchange yet, a nack) leaves the
-delivery to back off and come again. With ``RabbitConfig(declare=True)`` a DLQ or exchange
-found missing (deleted while the runner runs) is declared again at once, not only at the
-next connect: else the FAILED delivery would come back, unsent, until a reconnect.
+FAILED record is kept. A failure that may pass (a nack) leaves the delivery to back off and
+come again. With ``RabbitConfig(declare=True)`` a DLQ or exchange found missing (deleted
+while the runner runs) is declared again at once, not only at the next connect: else the
+FAILED delivery would come back, unsent, until a reconnect.
+
+A dead-letter exchange that does not exist, or no queue bound for the dead letters, that
+the runner does not declare (or fails to declare again) is a setup fault: DeadLetterMissing
+stops the runner, the delivery unacked. It used to be taken for "not there yet": the
+delivery came back again and again, each time after a longer pause of the whole runner (up
+to ``max_retry_delay``), and ``run(until_idle=True)`` never returned.
 """
 
 from __future__ import annotations
@@ -26,8 +32,15 @@ from . import subscription
 from .config import RabbitConfig
 from .connection import frame_max, header_frame_size
 from .convert import BODY_DROPPED_HEADER, Delivery, dead_letter_properties
-from .errors import ExchangeMissing, PublishFailed, PublishNacked, PublishRefused, Unroutable
-from .publisher import channel_closed
+from .errors import (
+    DeadLetterMissing,
+    ExchangeMissing,
+    PublishFailed,
+    PublishNacked,
+    PublishRefused,
+    Unroutable,
+)
+from .outgoing import channel_closed
 
 log = logging.getLogger("consumerdedup.rabbitmq")
 _OURS = (REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER)
@@ -60,8 +73,12 @@ class DeadLetters:
                 properties.headers = {**kept, BODY_DROPPED_HEADER: str(refused[0])[:REASON_LIMIT]}
                 body = b""
             error = self._publish(connection, body, properties)
-            if isinstance(error, Unroutable | ExchangeMissing) and self._declare(connection):
-                error = self._publish(connection, body, properties)
+            if isinstance(error, Unroutable | ExchangeMissing):
+                declared = self._declare(connection)
+                if declared:
+                    error = self._publish(connection, body, properties)
+                if isinstance(error, Unroutable | ExchangeMissing):
+                    raise self._missing(error, declared)
             if error is None:
                 if refused:
                     log.error(
@@ -125,10 +142,32 @@ class DeadLetters:
         channel.close()
         return True
 
+    def _missing(self, error: PublishFailed, declared: bool) -> DeadLetterMissing:
+        """The setup fault for a dead letter with nowhere to go, naming what to fix."""
+        exchange, dlq = self.config.dead_letter_exchange, self.dead_letter_queue
+        if isinstance(error, ExchangeMissing):
+            what = f"the dead-letter exchange {exchange!r} does not exist"
+            fix = f"declare it and bind the queue {dlq!r} to it with routing key {dlq!r}"
+        else:
+            through = f"exchange {exchange!r}" if exchange else "the default exchange"
+            what = f"no queue is bound for its dead letters ({through}, routing key {dlq!r})"
+            fix = f"declare the dead-letter queue {dlq!r}"
+            fix += f" and bind it to {exchange!r}" if exchange else ""
+        if not self.config.declare:
+            fix += ", or set RabbitConfig(declare=True)"
+        elif declared:  # declared, yet the copy still has nowhere to go
+            fix += " (RabbitConfig(declare=True) declared it again, to no avail)"
+        else:
+            fix += " (declaring it again failed: see the line before)"
+        return DeadLetterMissing(
+            f"cannot dead-letter a message of {self.queue!r}: {what} ({error}). To fix: {fix}; "
+            "then restart the runner. The message stays in the queue, unacked, its FAILED "
+            "record kept: it is dead-lettered when it comes again"
+        )
+
     def _log_unsent(self, error: PublishFailed) -> None:
         log.error(
-            "cannot dead-letter a message of %r (%s); it stays in the queue for redelivery "
-            "(RabbitConfig(declare=True) declares a missing dead-letter queue or exchange)",
+            "cannot dead-letter a message of %r (%s); it stays in the queue for redelivery",
             self.queue,
             error,
         )

@@ -45,3 +45,10 @@ class PublishRefused(PublishFailed):
 
 class AuthenticationFailed(BrokerRefused, errors.AuthenticationFailed):
     """RabbitMQ refused the user or the password (ACCESS_REFUSED): fatal, never retried."""
+
+
+class DeadLetterMissing(TopologyError, ConfigurationError):
+    """The dead-letter exchange or queue does not exist (or no queue is bound for the dead
+    letters) and the runner does not declare it, or declaring it again failed: a setup
+    fault that stops the runner. The FAILED message stays in its queue, unacked: it comes
+    again, and is dead-lettered, once the topology is fixed and the runner restarted."""

@@ -1,17 +1,19 @@
-"""What a published message becomes on AMQP: an exchange, a routing key, properties."""
+"""What a published message becomes on AMQP: an exchange, a routing key, properties; and
+what the broker's refusal of one means."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pika  # type: ignore[import-untyped]
 
 from consumerdedup import InvalidMessage
 from consumerdedup.headers import ID_HEADER
+from consumerdedup.outbox.publisher import NotSent, Outgoing
 
 from .connection import header_frame_size
-from .errors import PublishRefused
+from .errors import ExchangeMissing, PublishFailed, PublishRefused
 
 PERSISTENT = pika.DeliveryMode.Persistent.value
 Prepared = tuple[str, str, bytes, Any]
@@ -84,3 +86,32 @@ def fits(message: Prepared | BaseException, limit: int) -> Prepared | BaseExcept
     except PublishRefused as exc:
         return exc
     return message
+
+
+REFUSED_FOR_GOOD = {403, 406}
+"""Channel errors that refuse the message itself: ACCESS_REFUSED (no write right to the
+exchange), PRECONDITION_FAILED (over the broker's max_message_size, a bad property)."""
+
+
+def channel_closed(exc: Any, exchange: str) -> PublishFailed:
+    """Our error for a publish on which the broker closed the channel: the exchange missing
+    (404, it may appear), refused for good (REFUSED_FOR_GOOD), or some other refusal."""
+    if exc.reply_code == 404:
+        return ExchangeMissing(f"{exchange!r}: {exc.reply_text}")
+    kind = PublishRefused if exc.reply_code in REFUSED_FOR_GOOD else PublishFailed
+    return kind(f"{exchange!r}: {exc.reply_code} {exc.reply_text}")
+
+
+def held_back(
+    messages: Sequence[Outgoing], window: list[Prepared | BaseException]
+) -> list[Prepared | BaseException]:
+    """After a message that cannot be sent, its key's later messages wait (NotSent)."""
+    failed_keys: set[str] = set()
+    for index, (message, entry) in enumerate(zip(messages, window, strict=True)):
+        if message.key is None:
+            continue
+        if message.key in failed_keys:
+            window[index] = NotSent()
+        elif isinstance(entry, BaseException):
+            failed_keys.add(message.key)
+    return window

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -14,55 +15,27 @@ import pika  # type: ignore[import-untyped]
 import pika.exceptions  # type: ignore[import-untyped]
 import tenacity
 
-from consumerdedup import ConfigurationError, InvalidMessage
+from consumerdedup import InvalidMessage, options
 from consumerdedup.outbox.publisher import NotSent, Outgoing, Publisher
 from consumerdedup.retry import Backoff
 
 from .config import DEFAULT_URL
+from .config import connection_options as checked_connection_options
 from .confirms import ConfirmWindow, Unresolved
-from .connection import close_quietly, connect, frame_max, parameters
+from .connection import close_quietly, connect, frame_max, losses_handled, parameters
 from .errors import (
     BrokerUnavailable,
-    ExchangeMissing,
     PublishFailed,
     PublishNacked,
-    PublishRefused,
     Unroutable,
 )
-from .outgoing import Prepared, check_frame, fits, prepare
+from .keepalive import KeepAlive
+from .outgoing import Prepared, channel_closed, check_frame, fits, held_back, prepare
 
+log = logging.getLogger("consumerdedup.rabbitmq")
 _names = itertools.count(1)
 BACKOFF = Backoff(timedelta(milliseconds=100), timedelta(seconds=2))
 """Between connection attempts, and before sending again on a new connection."""
-
-
-REFUSED_FOR_GOOD = {403, 406}
-"""Channel errors that refuse the message itself: ACCESS_REFUSED (no write right to the
-exchange), PRECONDITION_FAILED (over the broker's max_message_size, a bad property)."""
-
-
-def channel_closed(exc: Any, exchange: str) -> PublishFailed:
-    """Our error for a publish on which the broker closed the channel: the exchange missing
-    (404, it may appear), refused for good (REFUSED_FOR_GOOD), or some other refusal."""
-    if exc.reply_code == 404:
-        return ExchangeMissing(f"{exchange!r}: {exc.reply_text}")
-    kind = PublishRefused if exc.reply_code in REFUSED_FOR_GOOD else PublishFailed
-    return kind(f"{exchange!r}: {exc.reply_code} {exc.reply_text}")
-
-
-def _held_back(
-    messages: Sequence[Outgoing], window: list[Prepared | BaseException]
-) -> list[Prepared | BaseException]:
-    """After a message that cannot be sent, its key's later messages wait (NotSent)."""
-    failed_keys: set[str] = set()
-    for index, (message, entry) in enumerate(zip(messages, window, strict=True)):
-        if message.key is None:
-            continue
-        if message.key in failed_keys:
-            window[index] = NotSent()
-        elif isinstance(entry, BaseException):
-            failed_keys.add(message.key)
-    return window
 
 
 class RabbitPublisher(Publisher):
@@ -74,6 +47,9 @@ class RabbitPublisher(Publisher):
     and the message sent again, up to ``attempts`` times, then BrokerUnavailable (a
     ConnectionError: transient).
     Connecting is retried with backoff for up to ``connect_timeout``.
+    Between publishes a thread answers the broker's heartbeats (``keepalive``), so an idle
+    relay keeps its connection; one lost anyway is said in one WARNING line and reopened
+    at the next publish, pika's own lines about it kept to DEBUG.
     """
 
     def __init__(
@@ -86,19 +62,25 @@ class RabbitPublisher(Publisher):
         connection_name: str | None = None,
         connection_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(attempts, int) or attempts < 1:
-            raise ConfigurationError(f"attempts must be an int >= 1, got {attempts!r}")
-        if connect_timeout <= timedelta(0) or confirm_timeout <= timedelta(0):
-            raise ConfigurationError("connect_timeout and confirm_timeout must be positive")
-        self.attempts = attempts
-        self.connect_timeout = connect_timeout
-        self.confirm_timeout = confirm_timeout
+        option = "RabbitPublisher."
+        options.text(url, option + "url", secret=True)
+        self.attempts = options.integer(attempts, option + "attempts", at_least=1)
+        self.connect_timeout = options.duration(connect_timeout, option + "connect_timeout")
+        self.confirm_timeout = options.duration(confirm_timeout, option + "confirm_timeout")
+        options.maybe(connection_name, option + "connection_name", options.text)
+        connection_options = options.maybe(
+            connection_options, option + "connection_options", checked_connection_options
+        )
         self.name = connection_name or f"consumerdedup-publisher:{os.getpid()}:{next(_names)}"
         self._params = parameters(url, connection_options or {}, self.name)
         self._lock = threading.Lock()
         self._connection: Any = None
         self._channel: Any = None  # confirms one at a time (publish)
         self._window: ConfirmWindow | None = None  # pipelined confirms (publish_window)
+        self._keepalive = KeepAlive(self._lock, self._lost)  # heartbeats between publishes
+        self._opened = False
+        self.reconnects = 0
+        """Connections opened after the first (each follows a lost or dropped one)."""
 
     def publish(
         self,
@@ -109,7 +91,7 @@ class RabbitPublisher(Publisher):
     ) -> None:
         """Publish one message and wait for the broker's confirm."""
         exchange, routing_key, properties = prepare(destination, key, headers)
-        with self._lock:
+        with self._lock, losses_handled():
             self._publish_one(destination, exchange, routing_key, body, properties)
 
     def publish_window(self, messages: Sequence[Outgoing]) -> list[BaseException | None]:
@@ -131,20 +113,20 @@ class RabbitPublisher(Publisher):
             except InvalidMessage as exc:
                 window.append(exc)
         ids = [m[3].message_id if isinstance(m, tuple) else "" for m in window]
-        with self._lock:
+        with self._lock, losses_handled():
             try:
                 confirms = self._confirm_window()
                 limit = frame_max(self._connection, self._params)
             except pika.exceptions.AMQPConnectionError as exc:
-                self._drop()
+                self._lost(exc)
                 lost = BrokerUnavailable(f"lost RabbitMQ while publishing: {exc!r}")
                 return [lost] * len(messages)
-            window = _held_back(messages, [fits(m, limit) for m in window])
+            window = held_back(messages, [fits(m, limit) for m in window])
             outcomes = confirms.send(window, ids)
             if not confirms.usable:
                 self._window = None
             if isinstance(confirms.closed, pika.exceptions.AMQPConnectionError | TimeoutError):
-                self._drop()
+                self._lost(confirms.closed)
             return self._settle_unresolved(messages, window, outcomes)
 
     def _settle_unresolved(
@@ -210,8 +192,8 @@ class RabbitPublisher(Publisher):
             self._channel.basic_publish(
                 exchange, routing_key, body, properties=properties, mandatory=True
             )
-        except pika.exceptions.AMQPConnectionError:
-            self._drop()
+        except pika.exceptions.AMQPConnectionError as exc:
+            self._lost(exc)
             raise
         except pika.exceptions.ChannelClosedByBroker as exc:
             # A missing exchange (404) closes the channel: report it, reopen next time.
@@ -229,19 +211,31 @@ class RabbitPublisher(Publisher):
         )
         self._channel = self._connection.channel()
         self._channel.confirm_delivery()
+        if self._opened:
+            self.reconnects += 1
+        self._opened = True
+        self._keepalive.watch(self._connection)
+
+    def _lost(self, error: BaseException) -> None:
+        """The connection is gone (or no longer trusted): one line, then it is dropped and
+        the next publish opens another."""
+        if self._connection is not None:
+            log.warning("%s lost its RabbitMQ connection (%r); reconnecting", self.name, error)
+        self._drop()
 
     def _drop(self) -> None:
+        self._keepalive.forget()
         close_quietly(self._connection)
         self._connection = self._channel = self._window = None
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, losses_handled():
             self._drop()
 
     def __enter__(self) -> RabbitPublisher:
         """Connect now: a broker that refuses us (BrokerRefused, a ConfigurationError) or is
         away (BrokerUnavailable) is said here, before the relay claims any event."""
-        with self._lock:
+        with self._lock, losses_handled():
             if self._channel is None or not self._channel.is_open:
                 self._open()
         return self

@@ -27,7 +27,8 @@ import pika.exceptions  # type: ignore[import-untyped]
 from consumerdedup.errors import ConfigurationError
 from consumerdedup.prune.windows import BrokerRetention, RetentionUnknown, SourceRetention
 
-TTL_ARGUMENT = "x-message-ttl"
+from .config import TTL_ARGUMENT
+
 TTL_POLICY = "message-ttl"
 RABBITMQCTL = ("rabbitmqctl",)
 
@@ -75,7 +76,9 @@ def rabbitmq_retention(
         raise RetentionUnknown(
             f"queue(s) {', '.join(silent)} in vhost {vhost!r} have no message TTL (no "
             f"{TTL_ARGUMENT} argument, no policy setting {TTL_POLICY}; or they are streams): a "
-            "message waits until it is consumed, so the retention must be given explicitly"
+            "message waits until it is consumed, so the retention must be given explicitly; "
+            "declare them with RabbitConfig(message_ttl=...) (with declare=True) or set a "
+            f"policy with {TTL_POLICY} to have prune read it"
         )
     return BrokerRetention.of(
         f"rabbitmq vhost {vhost}", (r for r in found.values() if r is not None)

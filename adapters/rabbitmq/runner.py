@@ -12,13 +12,13 @@ from typing import Any
 
 import pika.exceptions  # type: ignore[import-untyped]
 
-from consumerdedup import ConfigurationError, Message, Outcome
+from consumerdedup import Message, Outcome, collector, options
 from consumerdedup.dedup.processing import BlockingProcessor, Handler
-from consumerdedup.lifecycle import BeforeAck, ConsumerRunner
+from consumerdedup.lifecycle import BeforeAck, ConsumerRunner, DeadlinePassed
 
 from . import acks, retry_later, subscription
 from .config import DEFAULT_URL, MAX_NAME_BYTES, RabbitConfig
-from .connection import close_quietly, connect, parameters
+from .connection import close_quietly, connect, losses_handled, parameters
 from .convert import Delivery, to_message
 from .dead_letters import DeadLetters
 from .errors import TopologyError
@@ -56,12 +56,22 @@ class RabbitConsumerRunner(ConsumerRunner):
         before_ack: BeforeAck | None = None,
     ) -> None:
         super().__init__(before_ack=before_ack)
-        if not isinstance(queue, str) or not 0 < len(queue.encode()) <= MAX_NAME_BYTES:
-            raise ConfigurationError(
-                f"queue must be a non-empty str of {MAX_NAME_BYTES} bytes at most"
+        options.text(queue, "RabbitConsumerRunner.queue")
+        if len(queue.encode()) > MAX_NAME_BYTES:
+            raise options.refuse(
+                "RabbitConsumerRunner.queue", queue, f"{MAX_NAME_BYTES} bytes at most"
             )
+        options.text(url, "RabbitConsumerRunner.url", secret=True)
+        config = options.maybe(
+            config,
+            "RabbitConsumerRunner.config",
+            options.instance,
+            RabbitConfig,
+            "a RabbitConfig or None",
+        )
         self.handler = handler
         self.processor = BlockingProcessor(handler)
+        self._use_breaker(self.processor.breaker)
         self.queue = queue
         self.config = config = config or RabbitConfig()
         self.dead_letter_queue = config.dead_letters_of(queue)
@@ -83,9 +93,16 @@ class RabbitConsumerRunner(ConsumerRunner):
         and the queue has nothing ready: for tests, scripts and draining.
         """
         try:
-            self.processor.check_startup()  # a missing table or right stops it here
-            self._run(until_idle)
+            # A missing table or right stops it here; a database away is waited for.
+            if not self.start_checked(self.processor.check_startup):
+                return
+            with losses_handled():  # a lost connection: our one line, not pika's burst
+                self._run(until_idle)
+            self.breaker.raise_if_open()  # it stopped taking messages: CircuitOpen
+        except DeadlinePassed as passed:  # its connection closed: the broker requeues
+            self.gave_up(passed)
         finally:
+            self._set_ready(False)
             self.processor.close()
 
     def _run(self, until_idle: bool) -> None:
@@ -99,6 +116,7 @@ class RabbitConsumerRunner(ConsumerRunner):
                 self._consume(connection, until_idle)
                 return
             except _LOST as exc:
+                self._set_ready(False)  # until consuming again
                 self.reconnects += 1
                 failures = 1 if self._progress else failures + 1
                 wait = self.config.reconnect_backoff.delay(failures)
@@ -141,6 +159,7 @@ class RabbitConsumerRunner(ConsumerRunner):
         idle = self.config.idle_timeout.total_seconds()
         idle_since = time.monotonic()
         while not self.stopping:
+            self.tick()
             if len(buffer) < self.config.batch_size:
                 connection.process_data_events(time_limit=0 if buffer else POLL)
             if self._cancelled:  # reconnect, and learn why on the way (a deleted queue: 404)
@@ -154,6 +173,11 @@ class RabbitConsumerRunner(ConsumerRunner):
                     return
                 idle_since = time.monotonic()
 
+    def _turn(self) -> bool:
+        """A turn of a wait that answers heartbeats: the loop is alive; True to stop."""
+        self.tick()
+        return self.stopping
+
     def _subscribe(self, connection: Any, buffer: deque[Delivery]) -> Any:
         def cancelled() -> None:
             self._cancelled = True
@@ -163,6 +187,8 @@ class RabbitConsumerRunner(ConsumerRunner):
             connection, self.queue, self.config, buffer.append, cancelled
         )
         log.info("%s consuming %r (prefetch %d)", self.name, self.queue, self.config.prefetch)
+        self._set_ready(True)
+        collector.freeze_once()  # set up: the collector stops walking it (collector.py)
         return channel
 
     def _handle(self, connection: Any, channel: Any, batch: Sequence[Delivery]) -> None:
@@ -190,5 +216,5 @@ class RabbitConsumerRunner(ConsumerRunner):
         held = {delivery.tag for delivery, _ in retry}
         self._progress |= acks.ack_decided(channel, batch, held)
         delay = self._schedule.delay(message for _, message in retry)
-        retry_later.wait(connection, delay, lambda: self.stopping)
+        retry_later.wait(connection, delay, self._turn)
         acks.requeue(channel, [delivery for delivery, _ in retry])

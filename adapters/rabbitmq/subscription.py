@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pika.exceptions  # type: ignore[import-untyped]
 
-from .config import RabbitConfig
+from .config import TTL_ARGUMENT, RabbitConfig
 from .convert import Delivery
 from .errors import TopologyError
 
@@ -36,6 +37,8 @@ def declare(channel: Any, queue: str, config: RabbitConfig) -> None:
         "x-dead-letter-routing-key": dlq,
         **config.queue_arguments,
     }
+    if config.message_ttl is not None:  # also the window prune --rabbitmq reads (retention.py)
+        arguments[TTL_ARGUMENT] = config.message_ttl // timedelta(milliseconds=1)
     channel.queue_declare(queue, durable=True, arguments=arguments)
 
 

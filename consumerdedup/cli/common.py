@@ -22,7 +22,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from .. import durations
-from ..db.dialects import SUPPORTED
+from ..db.dialects import SUPPORTED, supported_drivers
 from ..errors import ConfigurationError
 from ..reasons import describe
 from ..schema import Tables
@@ -160,10 +160,12 @@ def parse_url(raw: str | None, secrets: Secrets) -> URL:
     secrets.add_url(raw, url)
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
+    if url.drivername in ("mysql", "mariadb"):  # SQLAlchemy's default is mysqlclient
+        url = url.set(drivername=f"{url.drivername}+pymysql")
     if url.get_backend_name() not in SUPPORTED:
         raise UsageError(
             f"unsupported database {url.get_backend_name()!r}: "
-            f"only {' and '.join(SUPPORTED)} are supported"
+            f"supported are {', '.join(SUPPORTED)} ({supported_drivers()})"
         )
     check_address(url)
     return url

@@ -3,17 +3,23 @@
 Exit 0 when no line is FAIL (warn lines are worth a look), 1 otherwise. The
 windows are given as to ``prune`` (``--retention``, ``--window NAME=DURATION``,
 ``--buffer``); with ``--kafka``/``--rabbitmq`` each ``--consumer``'s window is
-compared with the retention its broker reports (retention.py, as prune reads it).
+compared with the retention its broker reports (retention.py, as prune reads it), and
+the dead letters waiting in each queue's or topic's DLQ are counted. FAILED records and
+dead letters are a warn; past ``--max-failed N`` a FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from datetime import timedelta
+from typing import Any
 
 from ..doctor import FAIL, Check, Settings, diagnose
+from ..errors import ConfigurationError
 from ..prune.windows import BrokerRetention
+from . import dead_letters
 from .common import CommandError, UsageError, open_database, parse_duration, parse_windows
 from .redact import shown
 from .retention import read_retention
@@ -58,7 +64,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     relays.add_argument(
         "--relay-batch-size", metavar="N", type=int, help="their --batch-size (default 100)"
     )
+    parser.add_argument(
+        "--max-failed",
+        metavar="N",
+        type=int,
+        help="FAIL (exit 1) when more than N FAILED records, or dead letters in a broker's "
+        "DLQs, wait (default: any number is a warn)",
+    )
     parser.add_argument("--json", action="store_true", help="the checks as JSON")
+
+
+def _settings(**given: Any) -> Settings:
+    """The checks' Settings from the command line: a value they refuse is a usage error
+    (``--max-failed 10**23`` ended with exit 1, as a failing check does)."""
+    try:
+        return Settings(**given)
+    except ConfigurationError as error:  # named as the command line names it
+        said = re.sub(r"Settings\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(error))
+        raise UsageError(said.replace("--windows", "--window")) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--kafka and --rabbitmq: give one broker")
     if args.relays < 1 or (args.relay_batch_size is not None and args.relay_batch_size < 1):
         raise UsageError("--relays and --relay-batch-size must be >= 1")
+    if args.max_failed is not None and args.max_failed < 0:
+        raise UsageError(f"--max-failed must be >= 0, got {args.max_failed}")
     windows = parse_windows(args.window)
     max_age = parse_duration(args.outbox_max_age, "--outbox-max-age") or timedelta(minutes=5)
-    settings = Settings(
+    settings = _settings(
         retention=parse_duration(args.retention, "--retention"),
         windows=windows,
         buffer=parse_duration(args.buffer, "--buffer"),
@@ -77,14 +102,16 @@ def run(args: argparse.Namespace) -> int:
         outbox_max_age=max_age,
         relays=args.relays,
         relay_batch_size=args.relay_batch_size,
+        max_failed=args.max_failed,
     )
     url, engine, tables = open_database(args)
     found: list[Check] = []
     if args.kafka or args.rabbitmq or args.topics or args.queues:
         args.consumer = list(settings.consumers)
-        broker, check = _broker(args)
-        settings = Settings(**{**settings.__dict__, "broker": broker})
-        found += [check] if check else []
+        broker, check = _broker(args) if args.consumer else (None, None)
+        depths, unread = (None, None) if check else dead_letters.depths(args)
+        settings = Settings(**{**settings.__dict__, "broker": broker, "dead_letters": depths})
+        found += [c for c in (check, unread) if c]
     try:
         found = [*diagnose(engine, tables, settings), *found]
     finally:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any
 
-from .. import durations
 from ..errors import ConfigurationError
 from ..failed import records
 from ..failed.records import FailedRecord, Filters
@@ -23,7 +21,8 @@ from . import failed_replay
 from .common import CommandError, UsageError, add_actions, open_reading, printable
 from .confirm import add_change_options, confirm, named, print_left_alone
 from .failed_replay import PAUSE_AFTER
-from .pages import add_json, add_page_options, clip, every_page, print_page
+from .pages import add_json, add_page_options, clip, print_page
+from .when import add_time_range, parse_time
 
 __all__ = ["FORGET", "HELP", "NAME", "PAUSE_AFTER", "add_arguments", "add_forget_ids", "run"]
 
@@ -61,9 +60,7 @@ def run(args: argparse.Namespace) -> int:  # replaced by the action's own run
 def _filters(parser: argparse.ArgumentParser, *, consumer_required: bool = False) -> None:
     parser.add_argument("--consumer", required=consumer_required, help="of this consumer only")
     parser.add_argument("--reason", metavar="TEXT", help="whose reason contains TEXT (any case)")
-    when = "ISO 8601 time (UTC if no offset) or a duration ago (36h, 7d)"
-    parser.add_argument("--since", metavar="TIME", help=f"failed at or after: {when}")
-    parser.add_argument("--until", metavar="TIME", help=f"failed before: {when}")
+    add_time_range(parser, "failed")
 
 
 def _add_list(parser: argparse.ArgumentParser) -> None:
@@ -154,34 +151,13 @@ def _read_filters(args: argparse.Namespace) -> Filters:
     return Filters(
         consumer=args.consumer,
         reason=args.reason,
-        since=_time(args.since, "--since"),
-        until=_time(args.until, "--until"),
+        since=parse_time(args.since, "--since"),
+        until=parse_time(args.until, "--until"),
     )
 
 
-def _time(text: str | None, option: str) -> datetime | None:
-    if text is None:
-        return None
-    try:
-        return datetime.now(UTC) - durations.parse(text, option)
-    except ConfigurationError:
-        pass
-    try:
-        value = datetime.fromisoformat(text)
-    except ValueError:
-        raise UsageError(
-            f"{option} {text!r}: expected an ISO 8601 time or a duration ({durations.EXAMPLES})"
-        ) from None
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
 def _matching(engine: Any, tables: Any, filters: Filters) -> list[str]:
-    def fetch(after: str | None) -> records.Page:
-        return records.list_failed(
-            engine, filters, limit=records.MAX_LIMIT, after=after, tables=tables
-        )
-
-    return [record.message_id for page in every_page(fetch) for record in page.records]
+    return records.matching(engine, filters, tables=tables).get(filters.consumer or "", [])
 
 
 def _rows(found: Sequence[FailedRecord]) -> list[tuple[str, ...]]:

@@ -9,6 +9,7 @@ from sqlalchemy import create_mock_engine, make_url
 
 from ..errors import ConfigurationError
 from ..schema import SchemaLocked, ddl, install
+from ..schema.audit_table import admin_audit_table, audit_table_name, install_audit
 from .common import (
     CommandError,
     UsageError,
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="PostgreSQL: processed_events range-partitioned by day, so pruning drops whole days "
         "(consumers must then use Tables.define(partitioned=True))",
     )
+    parser.add_argument(
+        "--admin-audit",
+        action="store_true",
+        help="also the admin pages' audit table (admin_audit, for admin_app(audit='table'))",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--dialect goes with --sql (init-db itself uses --db's database)")
     if args.sql and args.dialect:
         return _print_ddl(args)
+    if args.sql and args.admin_audit:
+        raise UsageError("--admin-audit creates the table; --sql prints the library's tables")
     url, engine, tables = open_database(args)
     try:
         if args.sql:
@@ -54,12 +62,16 @@ def run(args: argparse.Namespace) -> int:
             return 0
         missing = missing_tables(engine, tables)
         install(engine, tables)
+        if args.admin_audit:
+            audit = admin_audit_table(audit_table_name(tables.processed_events))
+            install_audit(engine, audit)
     except (ConfigurationError, SchemaLocked) as error:  # --partitioned on SQLite or on a
         # plain table; a change (a dropped index or trigger) whose table lock was not granted
         raise CommandError(str(error)) from None
     present = [t.fullname for t in tables.all if t not in missing]
     done = [f"created {table_names(missing)}"] if missing else []
     done += [f"already present: {', '.join(present)}"] if present else []
+    done += [f"admin audit table {audit.fullname} ready"] if args.admin_audit else []
     print(f"{'; '.join(done)} ({shown(url)})")
     return 0
 

@@ -24,8 +24,8 @@ from sqlalchemy.exc import DBAPIError
 
 from ..errors import AuthenticationFailed
 from ..reasons import authentication_refused, describe
-from . import demo, doctor, failed, init_db, outbox, prune, relay, stats
-from .common import PROG, STAMP, CommandError, add_common
+from . import admin, demo, doctor, failed, init_db, outbox, prune, relay, run, stats
+from .common import PROG, STAMP, CommandError, UsageError, add_common
 from .redact import Secrets
 
 log = logging.getLogger("consumerdedup.cli")
@@ -51,6 +51,8 @@ COMMANDS: tuple[Command, ...] = (
     failed.FORGET,
     doctor,
     outbox,
+    run,
+    admin,
 )
 
 
@@ -94,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.timestamps = long_running(args)
     setup_logging(args.verbose, secrets, echo_sql=args.echo_sql, timestamps=args.timestamps)
     try:
+        refuse_undecodable(args)
         code: int = args.run(args)
         return code
     except (Exception, KeyboardInterrupt) as error:
@@ -104,6 +107,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(error, KeyboardInterrupt):
             return 130
         return error.code if isinstance(error, CommandError) else 1
+
+
+def refuse_undecodable(args: argparse.Namespace) -> None:
+    """Every argument in valid Unicode, checked once for every command: bytes the locale
+    cannot decode reach Python as lone surrogates, which no database, broker or terminal
+    takes (``failed list --consumer $'\\xff'`` ended with exit 1 and UnicodeEncodeError).
+    The value is not quoted: it may be a URL with its password."""
+    for name, value in vars(args).items():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if not isinstance(item, str):
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UsageError(
+                    f"the {name.replace('_', ' ')} given is not valid text in this locale's "
+                    "encoding (a byte that does not decode); give it in UTF-8"
+                ) from None
 
 
 def error_line(error: Exception) -> str:

@@ -1,5 +1,6 @@
 """``consumerdedup stats``: per consumer, what was processed and failed; the outbox's backlog;
-the HTTP idempotency keys: live, in flight, and expired (what the next prune deletes)."""
+the HTTP idempotency keys: live, in flight, and expired (what the next prune deletes); the
+Kafka offsets kept in the database, per group and topic."""
 
 from __future__ import annotations
 
@@ -7,14 +8,11 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, Table, select
+from sqlalchemy import Engine, Table, func, inspect, select
 
-from ..prune.idempotency import IN_FLIGHT
-from ..telemetry.readings import Readings
-from ..telemetry.readings import count_of as _count
+from ..telemetry.readings import Readings, key_stats
 from .common import open_database, require_tables
 from .outbox import require_columns
 from .redact import shown
@@ -35,29 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def key_stats(engine: Engine, ik: Table) -> dict[str, int]:
-    """Idempotency keys by what they are now (the same rules as the store and the pruner)."""
-    now = datetime.now(UTC)
-    flying = ik.c.state == IN_FLIGHT
-    lease_over = ik.c.locked_until <= now
-    query = select(
-        _count(~flying & (ik.c.expires_at > now)),
-        _count(~flying & (ik.c.expires_at <= now)),
-        _count(flying & ~lease_over),
-        _count(flying & lease_over),
-        _count(ik.c.state == "not_stored"),
-    )
-    with engine.connect() as conn:
-        live, expired, in_flight, abandoned, not_stored = conn.execute(query).one()
-    return {
-        "live": int(live),
-        "expired": int(expired),
-        "in_flight": int(in_flight),
-        "abandoned": int(abandoned),
-        "not_stored": int(not_stored),
-    }
-
-
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [list(headers), *[["-" if v is None else str(v) for v in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
@@ -70,6 +45,38 @@ def _duration(seconds: float) -> str:
         if seconds >= 2 * size:
             return f"{int(seconds // size)}{unit}"
     return f"{int(seconds)}s"
+
+
+def offset_stats(engine: Engine, table: Table | None) -> list[dict[str, Any]]:
+    """Per (group, topic) in consumer_offsets: partitions, the sum of their next offsets,
+    the highest owner epoch (how often they were assigned) and the last write; none when
+    the table is missing (made by an older release: init-db adds it)."""
+    if table is None or not inspect(engine).has_table(table.name, schema=table.schema):
+        return []
+    c = table.c
+    query = (
+        select(
+            c.consumer_group,
+            c.topic,
+            func.count(),
+            func.sum(c.next_offset),
+            func.max(c.owner_epoch),
+            func.max(c.updated_at),
+        )
+        .group_by(c.consumer_group, c.topic)
+        .order_by(c.consumer_group, c.topic)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    names = ("group", "topic", "partitions", "next_offsets_sum", "max_owner_epoch", "updated")
+    return [{k: _plain(v) for k, v in zip(names, row, strict=True)} for row in rows]
+
+
+def _plain(value: object) -> object:
+    """A JSON value: a time as ISO 8601, a SUM's Decimal as an int."""
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return value if value is None or isinstance(value, str) else int(value)  # type: ignore[call-overload]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     consumers, outbox, days = readings.consumers, readings.outbox, readings.partitions
     ik = tables.idempotency_keys
     keys = key_stats(engine, ik)
+    co = tables.consumer_offsets
+    offsets = offset_stats(engine, co)
     if args.json or args.format == "json":
         processed: dict[str, Any] = {"table": pe.fullname, "consumers": consumers}
         if days is not None:
@@ -95,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
             "outbox": {"table": ob.fullname, **outbox},
             "idempotency_keys": {"table": ik.fullname, **keys},
         }
+        if co is not None:
+            report["consumer_offsets"] = {"table": co.fullname, "groups": offsets}
         print(json.dumps({"database": shown(url), **report}, indent=2))
         return 0
     keys_shown = ("consumer", "processed", "failed", "oldest", "newest")
@@ -123,4 +134,11 @@ def run(args: argparse.Namespace) -> int:
     headers = ["live", "expired (next prune)", "in flight", "abandoned (lease over)"]
     headers.append("of them not stored")
     print(_table(headers, [[keys[k] for k in KEY_COLUMNS]]))
+    if co is not None:
+        print(f"\nKafka offsets in the database ({co.fullname}):")
+        headers = ["group", "topic", "partitions", "sum of next offsets", "max owner epoch"]
+        headers.append("last written")
+        columns = ("group", "topic", "partitions", "next_offsets_sum", "max_owner_epoch")
+        rows = [[o[k] for k in (*columns, "updated")] for o in offsets]
+        print(_table(headers, rows) if rows else "(none)")
     return 0

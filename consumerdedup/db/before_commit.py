@@ -67,6 +67,62 @@ def discard(session: Session | AsyncSession) -> None:
     session.info.pop(KEY, None)
 
 
+class _SavepointBelow:
+    """In a queue: a savepoint was made below SQLAlchemy (``savepoint_below``)."""
+
+    def flush(self, session: Session) -> None:
+        """Nothing to write."""
+
+    async def flush_async(self, session: AsyncSession) -> None:
+        """Nothing to write."""
+
+
+_BELOW = ("~savepoint below",)
+BELOW_MESSAGE = (
+    "a keyed Outbox.add is held back until just before the pipeline's COMMIT, so a savepoint "
+    "made on the raw driver connection (SQL sent through it, or psycopg's transaction()) "
+    "cannot undo it: use session.begin_nested() (or Connection.begin_nested()) in a handler "
+    "that adds keyed outbox events"
+)
+
+
+def savepoint_below(session: Session | AsyncSession, unseen: bool = False) -> None:
+    """A savepoint statement SQLAlchemy did not send (the raw driver connection's): what the
+    transaction holds back cannot follow it, so if anything is held already,
+    ConfigurationError (fail closed: a rolled back event would be written and published).
+    ``unseen``: its RELEASE or ROLLBACK TO will not be seen either (psycopg's
+    ``transaction()``): nothing more is held back (``below``) until ``seen_through``."""
+    held = queue(session)
+    if held is None:
+        return
+    if unseen:
+        held[_BELOW] = _SavepointBelow()
+    if any(getattr(deferred, "held", None) for deferred in held.values()):
+        raise ConfigurationError(BELOW_MESSAGE)
+
+
+def below(held: dict[Any, Any]) -> bool:
+    """A savepoint whose end cannot be seen was made in the transaction of queue ``held``."""
+    return _BELOW in held
+
+
+def seen_through(session: Session | AsyncSession) -> None:
+    """The handler call that made such a savepoint is over (its ``with`` block with it)."""
+    held = queue(session)
+    if held is not None:
+        held.pop(_BELOW, None)
+
+
+def path_may_change(session: Session | AsyncSession, sql: str) -> None:
+    """``sql``, about to be sent on the transaction's connection, may change search_path:
+    each held-back batch that cares says so (raises) before it is sent."""
+    held = queue(session)
+    for deferred in list((held or {}).values()):
+        check = getattr(deferred, "path_may_change", None)
+        if check is not None:
+            check(held, sql)
+
+
 def _taken(session: Session | AsyncSession) -> list[Deferred]:
     held = session.info.pop(KEY, None) or {}
     return [held[name] for name in sorted(held, key=repr)]  # one order across batches too

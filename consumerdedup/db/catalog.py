@@ -48,6 +48,11 @@ def schema_exists(conn: Connection, schema: str) -> bool:
     return conn.execute(statement, {"s": schema}).first() is not None
 
 
+def mysql_database_exists(conn: Connection, database: str) -> bool:
+    statement = text("SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = :s")
+    return conn.execute(statement, {"s": database}).first() is not None
+
+
 def existing(conn: Connection, tables: Sequence[Table]) -> set[str]:
     """The fullnames of the ``tables`` the database has."""
     inspector = inspect(conn)

@@ -12,24 +12,24 @@ import re
 from typing import Any
 
 from sqlalchemy import Table
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from ..errors import ConfigurationError
+from ..options import matching
 
 LONGEST = 63
 """PostgreSQL cuts identifiers at 63 bytes: a longer name would silently become another."""
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_PART = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
+_TABLE_NAME = re.compile(rf"(?:{_PART}\.)?{_PART}")
+TABLE_NAME = (
+    "a table name of letters, digits and _ (at most 63 each, not starting with a digit), "
+    "optionally as schema.table"
+)
 
 
-def split_name(name: str) -> tuple[str | None, str]:
+def split_name(name: object, option: str = "table name") -> tuple[str | None, str]:
     """Split ``"schema.table"`` and validate both parts as SQL identifiers."""
-    parts = name.split(".") if isinstance(name, str) else [name]
-    if len(parts) > 2 or not all(isinstance(p, str) and _IDENTIFIER.fullmatch(p) for p in parts):
-        raise ConfigurationError(
-            f"invalid table name {name!r}: use letters, digits and _ "
-            "(at most 63 each, not starting with a digit), optionally as schema.table"
-        )
-    return (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
+    schema, _, table = matching(name, option, _TABLE_NAME, TABLE_NAME).rpartition(".")
+    return (schema or None, table)
 
 
 def fit_name(prefix: str, table: str, what: str) -> str:
@@ -53,5 +53,5 @@ def table_sql(table: Table, dialect: str = "postgresql") -> str:
 
 def _preparer(dialect: str) -> Any:
     """Quotes the way the dialect does, without an engine at hand."""
-    module: Any = postgresql if dialect == "postgresql" else sqlite
+    module: Any = {"postgresql": postgresql, "mysql": mysql, "mariadb": mysql}.get(dialect, sqlite)
     return module.dialect().identifier_preparer

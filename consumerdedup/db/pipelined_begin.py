@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
 
@@ -112,18 +113,26 @@ def _idle_bound(conn: Connection) -> bool:
     bound = info.get(_IDLE_BOUND)
     if bound is None:
         dbapi: Any = conn.connection.dbapi_connection  # the async adapter awaits for us
-        cursor = dbapi.cursor()
         try:
-            cursor.execute(
-                "SELECT setting::bigint > 0 FROM pg_settings "
-                "WHERE name = 'idle_in_transaction_session_timeout'"
-            )
-            row = cursor.fetchone()
-        finally:
-            cursor.close()
-            dbapi.rollback()  # as it was: no transaction open
+            cursor = dbapi.cursor()
+            try:
+                cursor.execute(_IDLE_BOUND_SQL)
+                row = cursor.fetchone()
+            finally:
+                cursor.close()
+                dbapi.rollback()  # as it was: no transaction open
+        except psycopg.OperationalError as exc:
+            # Sent on the driver's connection, below SQLAlchemy: a connection killed here
+            # (an outage, a failover) is the database's absence, retried as any other, never
+            # the setup fault an unwrapped driver error would be taken for (begin_checked).
+            raise sa_exc.OperationalError(_IDLE_BOUND_SQL, None, exc) from exc
         bound = info[_IDLE_BOUND] = bool(row and row[0])
     return bool(bound)
+
+
+_IDLE_BOUND_SQL = (
+    "SELECT setting::bigint > 0 FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+)
 
 
 def start_command(raw: Any) -> str:

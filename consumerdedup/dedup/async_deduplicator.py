@@ -10,8 +10,10 @@ from typing import Any, overload
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from ..breaker import CircuitBreaker
 from ..db import before_commit, dialects
 from ..message import Message
+from ..options import instance
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
@@ -20,6 +22,7 @@ from .guard_listeners import guarded_async_sessionmaker, spend
 from .handler_end import after_handler
 from .handler_guard import attempt_call, end_calls, pending_writes
 from .handler_kinds import check_awaitable, check_awaited, require_async
+from .offset_fence import OffsetFence
 from .ops import (
     Attempt,
     AttemptReport,
@@ -35,9 +38,13 @@ from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
 from .transaction_start import begin_checked, release_async, require_open
+from .verified_commit import verified_commit
 
 AsyncHandlerFn = Callable[[Message, AsyncSession], Awaitable[Any]]
 AsyncBulkHandlerFn = Callable[[list[Message], AsyncSession], Awaitable[Any]]
+
+
+_ENGINE = "a sqlalchemy AsyncEngine (create_async_engine); an Engine goes to Deduplicator"
 
 
 class AsyncDeduplicator(OutcomeReporter):
@@ -57,6 +64,7 @@ class AsyncDeduplicator(OutcomeReporter):
         observers: Iterable[Observer] = (),
         session_factory: Callable[[], AsyncSession] | None = None,
     ) -> None:
+        instance(engine, "AsyncDeduplicator.engine", AsyncEngine, _ENGINE)
         super().__init__(
             engine.dialect.name,
             consumer,
@@ -64,7 +72,9 @@ class AsyncDeduplicator(OutcomeReporter):
             retry=retry,
             dead_letter=dead_letter,
             observers=observers,
+            owner="AsyncDeduplicator",
         )
+        session_factory = self._session_factory(session_factory)
         self.engine = engine
         self.what = f"AsyncDeduplicator {consumer!r}"
         dialects.require_transactional(engine.sync_engine, self.what)
@@ -84,7 +94,8 @@ class AsyncDeduplicator(OutcomeReporter):
     ) -> AsyncDedupHandler | Callable[[AsyncHandlerFn], AsyncDedupHandler]:
         """Wrap ``async fn(message, session)``; ``claim_first`` records the key first."""
         if fn is not None:
-            return AsyncDedupHandler(self, fn, claim_first)
+            return AsyncDedupHandler(self, fn, self._claim_first(claim_first))
+        claim_first = self._claim_first(claim_first)
         return lambda f: AsyncDedupHandler(self, f, claim_first)
 
     @overload
@@ -131,17 +142,29 @@ class AsyncDedupHandler:
         return await self.process_deliveries(messages, ordered=ordered)
 
     async def process_deliveries(
-        self, delivered: Sequence[Message | Delivered], *, ordered: bool = False
+        self,
+        delivered: Sequence[Message | Delivered],
+        *,
+        ordered: bool = False,
+        breaker: CircuitBreaker | None = None,
+        fence: OffsetFence | None = None,
     ) -> list[Result]:
         """``process_batch`` for a runner: each delivery may come with why the runner refuses
-        it (FAILED with that reason, dead-lettered in its place, held back behind a RETRY)."""
-        batch = self._pipeline.start(delivered, ordered)
+        it (FAILED with that reason, dead-lettered in its place, held back behind a RETRY);
+        ``breaker``: the runner's circuit breaker (once open, the rest ends RETRY);
+        ``fence``: the source's offset, written in the batch's transactions (offset_fence)."""
+        batch = self._pipeline.start(delivered, ordered, breaker, fence)
         report = AttemptReport(pending=bool(batch.items))
         while report.pending:  # the pipeline decides each next attempt and its wait
             if report.wait:
                 await asyncio.sleep(report.wait)
             report = await self._attempt(batch)
-        return [await self._settle(result) for result in self._pipeline.finish(batch)]
+        results = self._pipeline.finish(batch)
+        if self.dedup.dead_letter is None:  # nothing to await: no coroutine per message
+            for result in results:
+                self.dedup._account(result)
+            return results
+        return [await self._settle(result) for result in results]
 
     async def _attempt(self, batch: Batch) -> AttemptReport:
         async with self.dedup.session_factory() as session:
@@ -183,7 +206,8 @@ class AsyncDedupHandler:
                 await before_commit.flush_async(session)  # still guarded: refused if it ended
                 end_calls(session.sync_session)
                 require_open(session.sync_session)
-                return await session.commit()
+                with verified_commit(session.sync_session):  # the server's answer
+                    return await session.commit()
             case Rollback():
                 before_commit.discard(session)
                 await release_async(session.sync_session)
@@ -208,6 +232,7 @@ class AsyncDedupHandler:
                     await session.flush()  # a pending ORM write fails now, charged to this call
         finally:
             call.finish()
+        await call.probe()  # asyncpg: the server says whether a swallowed error aborted it
         call.verify()
 
     async def _settle(self, result: Result) -> Result:

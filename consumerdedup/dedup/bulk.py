@@ -87,7 +87,7 @@ class BulkPipeline(Pipeline):
         undecided = [item for item in span if item.state is not State.DECIDED]
         self._suspects[batch] = undecided
         batch.limit = max(1, len(undecided) // 2)
-        return self._report(batch, backoff=False)
+        return self._report(batch)
 
 
 def culprit(items: Sequence[Item], error: Exception) -> tuple[Item, Exception]:

@@ -10,8 +10,10 @@ from typing import Any, overload
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from ..breaker import CircuitBreaker
 from ..db import before_commit, dialects
 from ..message import Message
+from ..options import instance
 from ..outcome import Outcome, Result
 from ..retry import RetryPolicy
 from ..schema import DEFAULT, Tables
@@ -20,6 +22,7 @@ from .guard_listeners import guarded_sessionmaker, spend
 from .handler_end import after_handler
 from .handler_guard import attempt_call, end_calls
 from .handler_kinds import check_returned, require_blocking
+from .offset_fence import OffsetFence
 from .ops import (
     Attempt,
     AttemptReport,
@@ -35,9 +38,13 @@ from .pipeline import Delivered, Pipeline
 from .settings import Observer, OutcomeReporter
 from .states import Batch
 from .transaction_start import begin_checked, release, require_open
+from .verified_commit import verified_commit
 
 HandlerFn = Callable[[Message, Session], Any]
 BulkHandlerFn = Callable[[list[Message], Session], Any]
+
+
+_ENGINE = "a sqlalchemy Engine (create_engine); an AsyncEngine goes to AsyncDeduplicator"
 
 
 class Deduplicator(OutcomeReporter):
@@ -58,6 +65,7 @@ class Deduplicator(OutcomeReporter):
         observers: Iterable[Observer] = (),
         session_factory: Callable[[], Session] | None = None,
     ) -> None:
+        instance(engine, "Deduplicator.engine", Engine, _ENGINE)
         super().__init__(
             engine.dialect.name,
             consumer,
@@ -65,7 +73,9 @@ class Deduplicator(OutcomeReporter):
             retry=retry,
             dead_letter=dead_letter,
             observers=observers,
+            owner="Deduplicator",
         )
+        session_factory = self._session_factory(session_factory)
         self.engine = engine
         self.what = f"Deduplicator {consumer!r}"
         dialects.require_transactional(engine, self.what)
@@ -85,7 +95,8 @@ class Deduplicator(OutcomeReporter):
     ) -> DedupHandler | Callable[[HandlerFn], DedupHandler]:
         """Wrap ``fn(message, session)``; ``claim_first`` records the key before calling it."""
         if fn is not None:
-            return DedupHandler(self, fn, claim_first)
+            return DedupHandler(self, fn, self._claim_first(claim_first))
+        claim_first = self._claim_first(claim_first)
         return lambda f: DedupHandler(self, f, claim_first)
 
     @overload
@@ -129,11 +140,18 @@ class DedupHandler:
         return self.process_deliveries(messages, ordered=ordered)
 
     def process_deliveries(
-        self, delivered: Sequence[Message | Delivered], *, ordered: bool = False
+        self,
+        delivered: Sequence[Message | Delivered],
+        *,
+        ordered: bool = False,
+        breaker: CircuitBreaker | None = None,
+        fence: OffsetFence | None = None,
     ) -> list[Result]:
         """``process_batch`` for a runner: each delivery may come with why the runner refuses
-        it (FAILED with that reason, dead-lettered in its place, held back behind a RETRY)."""
-        batch = self._pipeline.start(delivered, ordered)
+        it (FAILED with that reason, dead-lettered in its place, held back behind a RETRY);
+        ``breaker``: the runner's circuit breaker (once open, the rest ends RETRY);
+        ``fence``: the source's offset, written in the batch's transactions (offset_fence)."""
+        batch = self._pipeline.start(delivered, ordered, breaker, fence)
         report = AttemptReport(pending=bool(batch.items))
         while report.pending:  # the pipeline decides each next attempt and its wait
             if report.wait:
@@ -181,7 +199,8 @@ class DedupHandler:
                 before_commit.flush(session)  # still guarded: refused if it ended
                 end_calls(session)
                 require_open(session)
-                return session.commit()
+                with verified_commit(session):  # the server's answer, not the driver's word
+                    return session.commit()
             case Rollback():
                 before_commit.discard(session)
                 release(session)

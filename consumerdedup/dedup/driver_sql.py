@@ -23,15 +23,19 @@ the session as before.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ..db import pipelined_begin
 from ..db.direct import translated, tuple_rows
 from ..errors import TransactionBroken
+from . import mysql_claim
+from .handler_guard import ours_next
 from .ops import Execute, Op
 from .transaction_start import PENDING_BEGIN
 
@@ -60,6 +64,22 @@ class DriverSQL:
         object.__setattr__(self, "query", self.text.encode())
 
 
+_PYFORMAT = re.compile(r"%\((\w+)\)s")
+_CAST = re.compile(r"%\((\w+)\)s::([\w\[\]]+)")
+"""``%(keys)s::text[]``: SQLAlchemy's text() reads no parameter before ``::``."""
+_portables: dict[str, TextClause] = {}
+
+
+def _portable(statement: DriverSQL) -> TextClause:
+    """``statement`` as SQLAlchemy's text (``:name`` parameters), for asyncpg: the same SQL,
+    the keys as arrays, one statement whatever the batch's size. Built once."""
+    clause = _portables.get(statement.text)
+    if clause is None:
+        sql = _PYFORMAT.sub(r":\1", _CAST.sub(r"CAST(:\1 AS \2)", statement.text))
+        clause = _portables[statement.text] = text(sql)
+    return clause
+
+
 def sent_first(op: Op) -> bool:
     """The attempt's first operation is a statement of ours sent here (its BEGIN may go
     with it: transaction_start); anything else begins the plain way."""
@@ -68,6 +88,9 @@ def sent_first(op: Op) -> bool:
 
 def execute(session: Session, statement: Any, params: Any) -> Any:
     """Run one of our statements in the session's transaction; its rows (or Result)."""
+    ours_next(session)  # under the transaction's search_path, whatever a handler set
+    if isinstance(statement, mysql_claim.MySQLStatement):  # MySQL's claim and its check
+        return mysql_claim.run(session, statement, params)
     if not isinstance(statement, DriverSQL):
         return session.execute(statement, params)
     connection = session.connection()
@@ -93,11 +116,16 @@ def execute(session: Session, statement: Any, params: Any) -> Any:
 
 async def execute_async(session: AsyncSession, statement: Any, params: Any) -> Any:
     """``execute`` for an AsyncSession: awaited on the async psycopg connection itself."""
+    ours_next(session.sync_session)
+    if isinstance(statement, mysql_claim.MySQLStatement):  # MySQL's claim and its check
+        return await mysql_claim.run_async(session, statement, params)
     if not isinstance(statement, DriverSQL):
         return await session.execute(statement, params)
     # The transaction's connection exists already (begin_checked ran): no I/O, no await.
     connection = session.sync_session.connection()
     raw: Any = connection.connection.driver_connection
+    if connection.dialect.driver == "asyncpg":  # its adapter holds the transaction: through it
+        return (await session.execute(_portable(statement), params)).all()
     begin = session.sync_session.info.pop(PENDING_BEGIN, None)
     if begin is not None:
         try:

@@ -25,6 +25,12 @@ on the retry. Not covered: a crash between that commit and the repair (the claim
 PROCESSED), and a COMMIT followed by a BEGIN through libpq (the driver then reports a
 transaction open, so nothing is seen).
 
+What a call leaves behind is kept within it: a ``ROLLBACK TO`` a savepoint the call did
+not open (a batch-mate's, left open) is refused before it is sent (call_savepoints); on
+psycopg a cursor made in the call is refused once it is over and the raw ``rollback()``
+from another thread or task while the guard is on (raw_commit), and a ``search_path``
+a handler changed is swapped back for our records after it (search_path).
+
 Where the guard sits: its listeners act only on what a handler is handed; they are
 installed once, on the engine copy and the session factory's class (guard_listeners).
 On psycopg every statement of the call is watched at the driver connection's cursors,
@@ -38,19 +44,26 @@ one statement's context). The driver's transaction state is read locally (driver
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine.interfaces import ExecutionContext
 from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.util import await_only
 
-from ..db.control_sql import transaction_control
+from ..db import before_commit, mysql_errors
+from ..db.control_sql import may_set_path, savepoint_steps, transaction_control
 from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
 from ..reasons import describe
+from .asyncpg_watch import is_asyncpg, probe, watch_asyncpg
+from .call_savepoints import CallSavepoints
 from .driver_state import ABORTED, ENDED, OPEN, driver_state, idle, idle_of, state_of
 from .guard_listeners import CALL, statements_on_driver, watch_connection, watch_session
-from .raw_commit import refuse_raw_commit
+from .raw_commit import expire, refuse_raw_commit
+from .search_path import PathKeeper, send_first_asyncpg
 
 _TWO_CONNECTIONS = (
     "the handler's session began a transaction on a second connection (a session with "
@@ -84,6 +97,13 @@ def attempt_call(session: Session) -> HandlerCall:
     else:
         call.again()
     return call
+
+
+def ours_next(session: Session) -> None:
+    """The next statement on ``session``'s connection is a record of ours (search_path)."""
+    call: HandlerCall | None = session.info.get(_ATTEMPT)
+    if call is not None:
+        call._path.ours = True
 
 
 def end_calls(session: Session) -> None:
@@ -122,22 +142,43 @@ class HandlerCall:
             )
         self.ended: str | None = None
         """Why the transaction is over, once a listener saw it end."""
+        self.ended_by_error = False
+        """It ended with the error in ``swallowed`` (MySQL: a deadlock)."""
         self.swallowed: tuple[BaseException, str, Any, bool] | None = None
         """The last DB-API error of the handler's statements, with its statement."""
         self.statement: tuple[str, Any, bool] = ("", None, False)
         """The handler's last statement: its text, parameters and whether executemany."""
         self.second_connection = False
+        self.savepoints = CallSavepoints()
+        """The savepoints this call opened: it may roll back to those only."""
+        self._owner = _caller()
+        self._cursors: list[Any] = []
+        self._path = PathKeeper()
+        """The transaction's search_path, for our records whatever path a handler set."""
+        """The cursors made since this call began (psycopg): refused once it is over."""
+        """The pipeline's thread and task: the raw rollback() is refused from any other."""
         # The pooled connection's own dict: still reachable if the handler gave it back.
         self.info = connection.info
-        self._unlock, on_driver = refuse_raw_commit(self._raw, self)
+        self._asyncpg = is_asyncpg(self._raw)
+        """asyncpg: its methods watched, and whether it was aborted asked (asyncpg_watch)."""
+        self._aborted = False
+        self._cursor_task: tuple[int, object] | None = None
+        """The task in which SQLAlchemy's cursor runs a statement (asyncpg: its adapter's
+        calls to asyncpg pass unchecked then, checked at SQLAlchemy's cursor events)."""
+        self._permitted = False
+        if self._asyncpg:
+            self._unlock = watch_asyncpg(self._fairy.dbapi_connection, self._raw, self)
+            on_driver = False
+        else:
+            self._unlock, on_driver = refuse_raw_commit(self._raw, self)
         self._lifted = False
-        if on_driver:
+        if on_driver or self._asyncpg:
             # Given back to the pool while the attempt runs (the handler's rollback() or
             # close()), the connection could go to another checkout still carrying this
             # call's guard, and the handler could go on sending on it: it is discarded.
             self._record = self._fairy._connection_record
             self._record.finalize_callback.append(self._given_back)
-        else:  # SQLite: SQLAlchemy's cursor events (on psycopg, its cursors)
+        if not on_driver:  # SQLite, asyncpg: SQLAlchemy's cursor events (psycopg: its cursors)
             if statements_on_driver(connection.engine):  # pragma: no cover - require_driver
                 self._unlock()
                 raise ConfigurationError(_UNWATCHED)
@@ -157,6 +198,7 @@ class HandlerCall:
             )
         self.swallowed = None
         self.statement = ("", None, False)
+        self.savepoints = CallSavepoints()
 
     def finish(self) -> None:
         """Call after the handler, whether it returned or raised (in a ``finally``).
@@ -164,6 +206,8 @@ class HandlerCall:
         A second connection is a setup fault, whatever the handler made of it:
         ConfigurationError, so that no message is recorded for it.
         """
+        expire(self._cursors)
+        before_commit.seen_through(self.session)
         if self.second_connection:
             raise ConfigurationError(_TWO_CONNECTIONS)
 
@@ -172,6 +216,7 @@ class HandlerCall:
         are left as they were (end_calls)."""
         self.session.info.pop(CALL, None)
         self.info.pop(CALL, None)
+        expire(self._cursors)
         if not self._lifted:
             self._lifted = True
             self._unlock()
@@ -192,13 +237,15 @@ class HandlerCall:
     def verify(self) -> None:
         """Raise TransactionBroken if the handler returned with the transaction unusable."""
         if self.ended:
-            raise TransactionBroken(f"{self.ended}: {_ADVICE}")
+            # MySQL's deadlock: the error the handler swallowed decides (transient: retried).
+            cause = self._swallowed_error() if self.ended_by_error else None
+            raise TransactionBroken(f"{self.ended}: {_ADVICE}", cause)
         if self.session.get_transaction() is not self.transaction:
             raise TransactionBroken(
                 "the handler ended the session's transaction (rollback or close): its writes "
                 f"and the dedup record can no longer commit together; {_ADVICE}"
             )
-        state = state_of(self._raw)
+        state = ABORTED if self._aborted else state_of(self._raw)
         if state == ABORTED or not self.session.is_active:
             cause = self._swallowed_error()
             caught = f" ({describe(cause)})" if cause is not None else ""
@@ -267,26 +314,118 @@ class HandlerCall:
                 self._on_error(conn, error)
 
             context.handle_dbapi_exception = failed  # type: ignore[method-assign,assignment]
+        if self._asyncpg:
+            self._keep_path(statement)
+            self._cursor_task = _caller()
+
+    def _keep_path(self, sql: str) -> None:
+        """asyncpg, a statement through SQLAlchemy (in its greenlet): the search_path read
+        or swapped first, as psycopg's watched cursors do (search_path)."""
+        may_set = may_set_path(sql)
+        if may_set:  # held-back outbox events may not follow it (fails closed there)
+            before_commit.path_may_change(self.session, sql)
+        first = self._path.before(may_set)
+        if first is not None:
+            self.sent_first(first, await_only(send_first_asyncpg(self._raw, first)))
 
     def _on_error(self, conn: Connection, error: BaseException) -> None:
+        self._cursor_task = None
         self.swallowed = (error, *self.statement)
-        if not conn.invalidated and driver_state(conn) == ENDED:
+        number = mysql_errors.errno(error)
+        if number in mysql_errors.ENDS_TRANSACTION:
+            # InnoDB undid the whole transaction (a deadlock), claim included, and the next
+            # statement would open a new one that passes for ours: this call is over. Other
+            # errors (1062, 1406) undo their statement alone, as a savepoint would: a
+            # handler that catches one goes on in our transaction (docs/databases.md).
+            self.ended = f"the database rolled the whole transaction back (MySQL error {number})"
+            self.ended_by_error = True
+        elif not conn.invalidated and driver_state(conn) == ENDED:
             self.ended = "the database rolled the transaction back after an error"
 
     def after_statement(self, conn: Connection, *_args: Any) -> None:
+        self._cursor_task = None
         # Whatever got past the text check: the driver says the transaction is over. Later
         # statements would run outside it (each committing at once), so stop at this one.
         if driver_state(conn) == ENDED:
             self._ended_by_statement()
 
-    # Statements at the psycopg connection's cursors (raw_commit) ------------------------------
+    # Statements on asyncpg's connection itself (asyncpg_watch) ---------------------------------
 
-    def before_sql(self, sql: str, parameters: Any, executemany: bool) -> None:
+    def in_cursor(self) -> bool:
+        return self._cursor_task is not None and self._cursor_task == _caller()
+
+    def permitted(self) -> bool:
+        return self._permitted
+
+    def permit(self, allowed: bool) -> None:
+        self._permitted = allowed
+
+    def before_raw(self, sql: str) -> Any:
         self._refuse_after_end()
         if idle_of(self._raw):
             self._ended_outside()
         self._refuse_control(sql, "postgresql")
+        if savepoint_steps(sql, "postgresql"):
+            before_commit.savepoint_below(self.session)  # what it holds back cannot follow
+        may_set = may_set_path(sql)
+        if may_set:  # held-back outbox events may not follow it (fails closed there)
+            before_commit.path_may_change(self.session, sql)
+        self.statement = (sql, None, False)
+        return self._path.before(may_set)
+
+    def discard(self) -> None:
+        """asyncpg: a statement of the call was refused; its connection is invalidated (the
+        pool closes it, the server rolls back), as SQLAlchemy does with a lost one."""
+        if not (self.connection.closed or self.connection.invalidated):
+            self.connection.invalidate()
+
+    def failed_raw(self, error: BaseException) -> None:
+        self.swallowed = (error, *self.statement)
+        if not self._raw.is_closed() and state_of(self._raw) == ENDED:
+            self.ended = "the database rolled the transaction back after an error"
+
+    async def probe(self) -> None:
+        """After the call, before ``verify`` (the async driver): on asyncpg, if the call met
+        a database error and the transaction is still open, ask the server whether it was
+        aborted (one statement; asyncpg cannot say). A call that met none costs nothing:
+        an error nobody saw is caught by the COMMIT's statement (asyncpg_watch)."""
+        if not self._asyncpg or self.ended:
+            return
+        if self._raw.is_closed():  # asyncpg drops the server's FATAL (25P03) unread
+            self.ended = (
+                "the connection was lost while the handler ran (the server's "
+                "idle_in_transaction_session_timeout, or the network)"
+            )
+            # As SQLAlchemy does at a statement that meets a lost connection: the rollback
+            # then sends nothing (the server rolled back), and the pool opens a new one.
+            self.connection.invalidate()
+            return
+        if self.swallowed is None:
+            return
+        if self.session.is_active and state_of(self._raw) == OPEN:
+            self._aborted = await probe(self._raw)
+
+    # Statements at the psycopg connection's cursors (raw_commit) ------------------------------
+
+    def before_sql(self, sql: str, parameters: Any, executemany: bool) -> Any:
+        self._refuse_after_end()
+        if idle_of(self._raw):
+            self._ended_outside()
+        self._refuse_control(sql, "postgresql")
+        if savepoint_steps(sql, "postgresql") and not _sqlalchemys(sql):
+            before_commit.savepoint_below(self.session)  # what it holds back cannot follow
         self.statement = (sql, parameters, executemany)
+        may_set = may_set_path(sql)
+        if may_set:  # held-back outbox events may not follow it (fails closed there)
+            before_commit.path_may_change(self.session, sql)
+        return self._path.before(may_set)
+
+    def sent_first(self, first: Any, value: Any) -> None:
+        if first[2]:
+            self._path.read(first, value)
+
+    def savepoint_below(self) -> None:
+        before_commit.savepoint_below(self.session, unseen=True)
 
     def failed_sql(self, error: BaseException) -> None:
         self.swallowed = (error, *self.statement)
@@ -324,6 +463,10 @@ class HandlerCall:
             if word in _COMMITS:
                 raise CommitInHandler(f"the handler sent {word}: {_NO_COMMIT}")
             raise TransactionBroken(f"the handler sent {word}: the pipeline owns the transaction")
+        refused = self.savepoints.follow(statement, dialect)
+        if refused:  # before it is sent: the earlier message's writes stay
+            self.ended = refused
+            raise TransactionBroken(refused)
 
     def _ended_by_statement(self) -> None:
         self.ended = "a statement of the handler ended the transaction"
@@ -335,6 +478,19 @@ class HandlerCall:
     def on_commit(self, _conn: Connection) -> None:
         self.ended = "the handler committed the connection"
         raise CommitInHandler(f"the handler committed the connection: {_NO_COMMIT}")
+
+    def made(self, cursor: Any) -> None:
+        self._cursors.append(cursor)
+
+    def refuse_foreign_rollback(self) -> None:
+        caller = _caller()
+        ours = caller == self._owner
+        if not ours and not (caller[0] == self._owner[0] and _sqlalchemy_close(caller)):
+            raise TransactionBroken(
+                "the raw DB-API connection's rollback() was called from a thread or task "
+                "other than the pipeline's while its transaction is open (one a handler left "
+                "running?): refused; only the pipeline ends its transaction"
+            )
 
     def refuse_raw_end(self, word: str) -> CommitInHandler:
         """The raw DB-API connection's ``word``() was called (raw_commit): the error to raise."""
@@ -357,6 +513,39 @@ class HandlerCall:
             dialect=dialect,
             ismulti=executemany,
         )
+
+
+def _sqlalchemys(sql: str) -> bool:
+    """Savepoint statements SQLAlchemy itself sends (``begin_nested``: its own names, which
+    the outbox follows through SQLAlchemy's events); anything else reached the cursor from
+    the raw connection, or as SQL text (refused by the outbox's own listener alike)."""
+    return all(
+        (name or "").startswith("sa_savepoint_")
+        for _verb, name in savepoint_steps(sql, "postgresql")
+    )
+
+
+_SHIELDED_CLOSES = frozenset({"AsyncSession.close", "AsyncConnection.close"})
+"""SQLAlchemy's asyncio close() runs its rollback in a task of its own (asyncio.shield):
+refusing it left the connection in its transaction, holding the claim's row lock, and a
+pipeline that wrote its FAILED record next waited on that lock for ever (round 5's shared
+session). The COMMIT's verification still catches a transaction ended that way."""
+
+
+def _sqlalchemy_close(caller: tuple[int, object]) -> bool:
+    """The rollback comes from SQLAlchemy's shielded close() on the pipeline's thread."""
+    task = caller[1]
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    return getattr(coro, "__qualname__", "") in _SHIELDED_CLOSES
+
+
+def _caller() -> tuple[int, object]:
+    """This thread, and this asyncio task (None outside one)."""
+    try:
+        task: object = asyncio.current_task()
+    except RuntimeError:  # no event loop in this thread
+        task = None
+    return threading.get_ident(), task
 
 
 def pending_writes(session: Session) -> bool:

@@ -17,6 +17,7 @@ import inspect
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..options import function
 
 
 class HandlerNotRun(ConfigurationError):
@@ -54,6 +55,7 @@ def kind(fn: Any) -> str:
 
 def require_blocking(fn: Any) -> None:
     """ConfigurationError unless calling ``fn`` runs its body (for Deduplicator)."""
+    function(fn, "handler(fn)", "a function taking (message, session)")
     found = kind(fn)
     if found == "coroutine":
         raise ConfigurationError(
@@ -65,6 +67,7 @@ def require_blocking(fn: Any) -> None:
 
 def require_async(fn: Any) -> None:
     """ConfigurationError unless ``fn`` is a coroutine function (for AsyncDeduplicator)."""
+    function(fn, "handler(fn)", "an async def function taking (message, session)")
     found = kind(fn)
     if found in ("generator", "async generator"):
         raise ConfigurationError(_not_run(fn, found, "an async def function without yield"))

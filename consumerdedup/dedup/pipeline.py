@@ -41,13 +41,15 @@ from collections.abc import Generator, Sequence
 from datetime import datetime
 from typing import Any
 
-from ..errors import ConfigurationError, InvalidMessage, RetryLater
+from ..breaker import CircuitBreaker
+from ..errors import ConfigurationError, InvalidMessage, RetryLater, TransactionBroken
 from ..message import Message, payload_hash, validate_id
 from ..observe import logger
 from ..outcome import Outcome, Result
 from ..reasons import describe
 from ..retry import ErrorKind, RetryPolicy
 from ..schema import utcnow
+from .attempt_log import AttemptLog
 from .failures import (
     ClaimNotUndone,
     HandlerFailed,
@@ -56,7 +58,8 @@ from .failures import (
     carry,
     signature,
 )
-from .ops import Attempt, AttemptReport, CallHandler, Commit, Op, Rollback
+from .offset_fence import OffsetFence, PartitionFenced
+from .ops import Attempt, AttemptReport, CallHandler, Commit, Execute, Op, Rollback
 from .records import Records
 from .statements import Statements
 from .states import Batch, Item, Next, State, next_after
@@ -80,17 +83,34 @@ class Pipeline:
     def __init__(
         self, statements: Statements, consumer: str, policy: RetryPolicy, claim_first: bool
     ) -> None:
+        if statements.mysql and not claim_first:
+            raise ConfigurationError(
+                "claim_first=False on MySQL/MariaDB: InnoDB can roll a transaction back whole "
+                "(a deadlock) and let the next statement open a new one, and only a claim row "
+                "written first can prove before COMMIT that the transaction is still ours; "
+                "use claim-first (the default) there (docs/databases.md)"
+            )
         self.records = Records(statements, consumer)
         self.consumer = consumer
         self.policy = policy
         self.claim_first = claim_first
         self.backoff = policy.backoff()
+        self.attempt_log = AttemptLog(consumer, policy.attempts)
 
-    def start(self, deliveries: Sequence[Message | Delivered], ordered: bool = False) -> Batch:
+    def start(
+        self,
+        deliveries: Sequence[Message | Delivered],
+        ordered: bool = False,
+        breaker: CircuitBreaker | None = None,
+        fence: OffsetFence | None = None,
+    ) -> Batch:
         """One slot per delivery, one Item per key; later copies of a key follow the first.
 
         A delivery the runner refuses, or whose id cannot be a key, is decided here:
-        FAILED with InvalidMessage, nothing recorded (it has no usable key).
+        FAILED with InvalidMessage, nothing recorded (it has no usable key). ``breaker``:
+        the runner's circuit breaker (breaker.py), told of every handler's FAILED and
+        PROCESSED; once it is open, what is not tried yet ends RETRY (``_halt``). ``fence``:
+        the source's position, written in each of the batch's transactions (offset_fence).
         """
         slots: list[Result | Item] = []
         leaders: dict[str, Item] = {}
@@ -99,20 +119,32 @@ class Pipeline:
             try:
                 if why is not None:
                     raise InvalidMessage(why)
-                item = Item(message, validate_id(message.id), payload_hash(message.body))
+                key = validate_id(message.id)
+                body = message.body
+                # An immutable bytes body is hashed when needed (Item.hash); any other is
+                # hashed now, so a body that cannot be one is refused here as before.
+                item = Item(message, key, None if type(body) is bytes else payload_hash(body))
             except InvalidMessage as exc:
                 slots.append(Result(message, Outcome.FAILED, exc))
                 continue
             leader = leaders.setdefault(item.key, item)
             if leader is not item:
+                if leader.followers is None:
+                    leader.followers = []
                 leader.followers.append(item)
             slots.append(item)
-        return Batch(slots, list(leaders.values()), ordered)
+        return Batch(slots, list(leaders.values()), ordered, breaker=breaker, fence=fence)
 
     def attempt(self, batch: Batch) -> Attempt:
         """One transaction over the next span of undecided items; decides every item it can."""
+        if batch.breaker is not None and batch.breaker.open:
+            self._halt(batch)  # opened meanwhile (another partition's batch, or this one's)
+            if not batch.undecided():
+                return self._report(batch)
         span = self._span(batch)
         try:
+            if batch.fence is not None and not batch.fence.claims:
+                return (yield from self._by_offset(batch, span))
             if self.claim_first:
                 return (yield from self._claim_first(batch, span))
             return (yield from self._check_first(batch, span))
@@ -130,13 +162,13 @@ class Pipeline:
         # it may commit first: the whole span waits.
         if batch.ordered and any(item.state is not State.FAILING for item in unknown):
             yield from carry(Rollback())
-            return self._report(batch, backoff=False)
+            return self._report(batch)
         fresh = [item for item in runnable if item.key in claimed]
         culprit = yield from self._handle(fresh, stamp)
         if culprit is not None:
             return self._handler_failed(batch, span, *culprit)
         failing = [item for item in span if item.state is State.FAILING]
-        return (yield from self._commit(batch, fresh, [], failing))
+        return (yield from self._commit(batch, fresh, [], failing, claimed_at=stamp))
 
     def _check_first(self, batch: Batch, span: list[Item]) -> Attempt:
         """Look the keys up, handle the unknown ones, write every record last, commit."""
@@ -147,6 +179,37 @@ class Pipeline:
             return self._handler_failed(batch, span, *culprit)
         failing = [item for item in unknown if item.state is State.FAILING]
         return (yield from self._commit(batch, fresh, fresh, failing))
+
+    def _by_offset(self, batch: Batch, span: list[Item]) -> Attempt:
+        """The source's offset alone decides (OffsetFence.claims False): no claim, no
+        lookup: read the owner epoch (fenced already: nothing is handled), handle, write the
+        FAILED records and the offset, commit."""
+        fence = batch.fence
+        assert fence is not None
+        if fence.statements.begin is not None:  # MySQL: a SELECT alone opens no transaction
+            yield from carry(Execute(fence.statements.begin, {}, _nothing))
+        read = Execute(fence.statements.epoch_in_batch, fence.key(), fence.read_epoch)
+        if (yield from carry(read)) != fence.epoch:
+            yield from carry(Rollback())
+            self._fenced(batch, fence)
+            return self._report(batch)
+        if fence.recheck:  # read again from an offset held for a dead letter?
+            fence.recheck = False
+            first = span[:1] if span and span[0] is batch.items[0] else []
+            if first and not (yield from self.records.look_up(first)):
+                fence.claims = True  # recorded: the batch-mates behind it have records too
+                return (yield from self._claim_first(batch, self._span(batch)))
+        runnable = [item for item in span if item.state is not State.FAILING]
+        culprit = yield from self._handle(runnable, None)
+        if culprit is not None:
+            return self._handler_failed(batch, span, *culprit)
+        failing = [item for item in span if item.state is State.FAILING]
+        # The offset stops before the first FAILED message until its dead letter is sent:
+        # what is applied behind it gets its record, so a read again answers it DUPLICATE.
+        # A FAILED record of the key may stand already (a producer's copy, failed before):
+        # it says the same.
+        behind = _behind_failed(batch, runnable)
+        return (yield from self._commit(batch, runnable, behind, failing, exact=False))
 
     def _handle(
         self, items: Sequence[Item], claimed_at: datetime | None
@@ -211,22 +274,75 @@ class Pipeline:
             )
 
     def _commit(
-        self, batch: Batch, handled: list[Item], ours: list[Item], failing: list[Item]
+        self,
+        batch: Batch,
+        handled: list[Item],
+        ours: list[Item],
+        failing: list[Item],
+        exact: bool = True,
+        claimed_at: datetime | None = None,
     ) -> Attempt:
-        """Write ``ours`` PROCESSED and ``failing`` FAILED, then COMMIT the handlers' work."""
+        """Write ``ours`` PROCESSED and ``failing`` FAILED (and the source's offset, if the
+        batch has a fence), then COMMIT the handlers' work."""
         written = yield from self.records.write(ours, failing, after_handlers=bool(handled))
-        if len(written) < len(ours) + len(failing):
+        if exact and len(written) < len(ours) + len(failing):
             # A twin committed one of these keys meanwhile: undo all, let the lookup decide.
             yield from carry(Rollback())
-            return self._report(batch, backoff=False)
+            return self._report(batch)
+        fence = batch.fence
+        next_offset = None
+        if fence is not None:
+            # A FAILED record's offset waits for its dead letter (the runner moves it on
+            # once the letter is sent): killed before, it is read again, and its record
+            # answers RecordedFailure, its batch-mates behind it DUPLICATE (with claims, or
+            # offsets only by the records _by_offset writes for them and fence.recheck).
+            next_offset = _next_offset(batch, {*handled, *failing}, hold_failed=True)
+            if fence.written is not None and (next_offset or 0) < fence.written:
+                next_offset = fence.written  # never back: what is below it committed before
+            write = Execute(fence.statements.in_batch, fence.params(next_offset), fence.read)
+            if not (yield from carry(write, after_handlers=bool(handled))):
+                yield from carry(Rollback())
+                self._fenced(batch, fence)
+                return self._report(batch)
+        if self.records.statements.mysql and claimed_at is not None and handled:
+            # MySQL: the last statement before COMMIT proves the claims stamped
+            # ``claimed_at`` are still this transaction's (statements.holds).
+            held = yield from self.records.holds(handled, claimed_at)
+            if not held:  # nothing of this transaction may commit: it is not ours
+                raise TransactionFailed(
+                    TransactionBroken(
+                        "the claims this attempt wrote are gone before its COMMIT: InnoDB "
+                        "rolled the transaction back (a deadlock the handler caught, or a "
+                        "statement on the raw connection) and a new one began; nothing of "
+                        "it is committed or reported done"
+                    )
+                )
         yield from carry(Commit())
+        if fence is not None and next_offset is not None:
+            fence.written = next_offset
         for item in handled:
             item.decide(Outcome.PROCESSED)
         for item in failing:
             item.decide(Outcome.FAILED, item.failure)
+        if batch.breaker is not None:  # a runner's batch (direct calls have none)
+            for item in handled:
+                self._tell_breaker(batch, item)
         if batch.limit is not None:  # grow back after a culprit was passed, halving found it
             batch.limit *= 2
-        return self._report(batch, backoff=False)
+        return self._report(batch)
+
+    @staticmethod
+    def _fenced(batch: Batch, fence: OffsetFence) -> None:
+        """The owner epoch moved on: nothing of this transaction committed, and nothing of
+        the batch will (every undecided item ends RETRY, for the partition's new owner)."""
+        fence.fenced = True
+        why = PartitionFenced(
+            f"{fence.topic}[{fence.partition}] of group {fence.group!r} was assigned to "
+            f"another consumer (owner epoch past {fence.epoch}): rolled back"
+        )
+        logger.warning("%s", why)
+        for item in batch.undecided():
+            item.decide(Outcome.RETRY, why)
 
     @staticmethod
     def _span(batch: Batch) -> list[Item]:
@@ -244,17 +360,19 @@ class Pipeline:
     def _handler_failed(
         self, batch: Batch, span: Sequence[Item], culprit: Item, exc: Exception
     ) -> AttemptReport:
-        """The culprit runs alone from now on; what precedes it commits first, without waiting."""
+        """The culprit runs alone from now on; what precedes it commits first, without waiting
+        (the culprit's wait is taken before its own next try: ``_owed``)."""
         if culprit.state is State.DECIDED:  # its claim could not be undone (ClaimNotUndone)
-            return self._report(batch, backoff=False)
+            return self._report(batch)
         transient = self.policy.classify(exc) is ErrorKind.TRANSIENT
         if transient and signature(exc) in batch.spent:
             self._give_up(batch, [culprit], exc)
-            return self._report(batch, backoff=False)
+            return self._report(batch)
+        for item in span[: span.index(culprit)]:
+            if item.state is State.NEW:  # its handler passed: in message order, before it
+                self._tell_breaker(batch, item)
         self._charge(batch, culprit, exc, alone=True)
-        before = span[: span.index(culprit)]
-        first = all(item.state is State.DECIDED for item in before)
-        return self._report(batch, backoff=first and culprit.state is not State.FAILING)
+        return self._report(batch)
 
     def _transaction_failed(
         self, batch: Batch, span: Sequence[Item], exc: Exception
@@ -270,32 +388,67 @@ class Pipeline:
         # parameters must be between 0 and 65535"): retried as is it would fail forever.
         if len(undecided) > 1 and (refused or not transient):
             batch.limit = len(undecided) // 2
-            return self._report(batch, backoff=False)
+            return self._report(batch)
         # Our statement or the COMMIT: the database itself is failing, every item alike.
         if transient and batch.spent and undecided:
             self._give_up(batch, undecided, exc)
-            return self._report(batch, backoff=False)
+            return self._report(batch)
+        together = len(undecided) > 1  # one line for the span, not one per message
         for item in undecided:
-            self._charge(batch, item, exc, alone=len(undecided) == 1)
-        return self._report(batch, backoff=True)
+            self._charge(batch, item, exc, alone=not together, log=not together)
+        if together:
+            keys = [item.key for item in undecided]
+            self.attempt_log.failed(keys, undecided[0].attempts, exc, "together")
+        return self._report(batch)
 
-    def _charge(self, batch: Batch, item: Item, exc: BaseException, alone: bool) -> None:
-        """One more failed try of ``item``: it moves by the table (states.ON_FAILURE)."""
+    def _charge(
+        self, batch: Batch, item: Item, exc: BaseException, alone: bool, log: bool = True
+    ) -> None:
+        """One more failed try of ``item``: it moves by the table (states.ON_FAILURE),
+        logged as it happens (``AttemptLog``)."""
         item.attempts += 1
         kind = self.policy.classify(exc)
         exhausted = item.attempts >= self.policy.attempts
         if exhausted and kind is ErrorKind.TRANSIENT:
             batch.spent.setdefault(signature(exc), item.key)
-        match next_after(kind, item.state is State.FAILING, exhausted):
+        step = next_after(kind, item.state is State.FAILING, exhausted)
+        if log:
+            self.attempt_log.failed([item.key], item.attempts, exc, _THEN[step])
+        match step:
             case Next.AGAIN if alone and item.state is State.NEW:
                 item.state = State.ALONE
             case Next.FAILING:
+                item.waited = item.attempts  # its record is written at once: no wait owed
                 item.fail(exc)
+                self._tell_breaker(batch, item)
             case Next.RETRY:
                 item.decide(Outcome.RETRY, exc)
             case Next.UNRECORDED:
                 logger.error("FAILED %r could not be recorded: %s", item.key, describe(exc))
                 item.decide(Outcome.FAILED, item.failure)
+
+    def _tell_breaker(self, batch: Batch, item: Item) -> None:
+        """Tell the runner's breaker, once per item, in message order as near as the attempts
+        go: a handler that passed closes its run of failures (when it passed, even if its
+        commit is the next attempt's), one that FAILED adds to it; once it opens, the batch
+        stops (``_halt``)."""
+        if batch.breaker is None or item.counted:
+            return
+        item.counted = True
+        if item.state is not State.FAILING:
+            batch.breaker.succeeded()
+        elif item.failure is not None and batch.breaker.failed(item.key, item.failure):
+            self._halt(batch)
+
+    @staticmethod
+    def _halt(batch: Batch) -> None:
+        """The breaker is open: every item not tried to its end yet ends RETRY (not acked,
+        delivered again after the fix); the FAILING ones still get their FAILED record."""
+        assert batch.breaker is not None
+        why = batch.breaker.error()
+        for item in batch.items:
+            if item.state in (State.NEW, State.ALONE):
+                item.decide(Outcome.RETRY, why)
 
     @staticmethod
     def _give_up(batch: Batch, failed: Sequence[Item], exc: Exception) -> None:
@@ -313,17 +466,86 @@ class Pipeline:
             if item.state is not State.DECIDED:
                 item.decide(Outcome.RETRY, why)
 
-    def _report(self, batch: Batch, backoff: bool) -> AttemptReport:
+    def _report(self, batch: Batch) -> AttemptReport:
         """What the driver does next: attempt again (after a wait) or finish."""
         batch.rounds += 1
         batch.over_budget(self.policy.attempts)
         if batch.ordered:
             batch.hold_back()
         pending = bool(batch.undecided())
-        wait = self.backoff.delay(batch.rounds) if pending and backoff else 0.0
-        return AttemptReport(pending=pending, wait=wait)
+        return AttemptReport(pending=pending, wait=self._owed(batch) if pending else 0.0)
+
+    def _owed(self, batch: Batch) -> float:
+        """The wait before the next attempt: each message waits by its OWN failures in a row
+        (``delay(n)`` after its n-th), taken just before it is tried again, so the schedule
+        is the policy's (50, 100, 200 ms ...) for every message of a batch, not only the
+        first; a span that only commits its innocent part first waits for nothing."""
+        wait = 0.0
+        for item in self._span(batch):
+            if item.state is not State.FAILING and item.waited < item.attempts:
+                wait = max(wait, self.backoff.delay(item.attempts))
+                item.waited = item.attempts
+        return wait
 
     @staticmethod
     def finish(batch: Batch) -> list[Result]:
         """One Result per delivery, in the order given (``Batch.results``)."""
         return batch.results()
+
+
+def _nothing(result: Any) -> None:
+    """The read of a statement whose result says nothing (START TRANSACTION)."""
+
+
+def _next_offset(batch: Batch, committing: set[Item], hold_failed: bool = False) -> int | None:
+    """One past the last of the batch's deliveries, from its first on, that are decided
+    (not RETRY) or commit with ``committing``; None if the first is neither.
+    ``hold_failed``: stop before the first FAILED one too (its dead letter is not sent)."""
+    leader_of = {id(f): leader for leader in batch.items for f in leader.followers or ()}
+    last: int | None = None
+    for slot in batch.slots:
+        if isinstance(slot, Result):  # refused at the start: FAILED, unless held back
+            if slot.outcome is Outcome.RETRY or hold_failed:
+                break
+            last = slot.message.offset
+            continue
+        item = leader_of.get(id(slot), slot)
+        if item not in committing and (
+            item.state is not State.DECIDED or item.outcome is Outcome.RETRY
+        ):
+            break
+        if hold_failed and _failed(item):
+            break
+        last = slot.message.offset
+    return None if last is None else last + 1
+
+
+def _behind_failed(batch: Batch, items: Sequence[Item]) -> list[Item]:
+    """Those of ``items`` that come after a FAILED (or refused) delivery of the batch."""
+    chosen = {id(item) for item in items}
+    behind: list[Item] = []
+    seen = False
+    for slot in batch.slots:
+        if isinstance(slot, Result):
+            seen = seen or slot.outcome is Outcome.FAILED
+            continue
+        if seen and id(slot) in chosen:
+            behind.append(slot)
+        seen = seen or _failed(slot)
+    return behind
+
+
+def _failed(item: Item) -> bool:
+    """FAILED, or failing in the transaction that commits now (its record written)."""
+    if item.state is State.DECIDED:
+        return item.outcome is Outcome.FAILED
+    return item.state is State.FAILING
+
+
+_THEN = {
+    Next.AGAIN: "tried again",
+    Next.FAILING: "FAILED",
+    Next.RETRY: "RETRY: not acked, delivered again",
+    Next.UNRECORDED: "FAILED, unrecorded",
+}
+"""What a failed attempt's log line says comes next."""

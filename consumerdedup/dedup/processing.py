@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
-from ..errors import ConfigurationError
+from ..breaker import CircuitBreaker
 from ..event_loop import OwnLoop
+from ..options import refuse
 from ..outcome import Result
 from ..startup import require_startup, require_startup_async
 from ..telemetry import hooks
 from .async_deduplicator import AsyncDedupHandler
 from .deduplicator import DedupHandler
+from .nesting import deciding
+from .offset_fence import OffsetFence
 from .pipeline import Delivered
 
 Handler = DedupHandler | AsyncDedupHandler
@@ -28,10 +32,22 @@ Handler = DedupHandler | AsyncDedupHandler
 __all__ = ["AsyncProcessor", "BlockingProcessor", "Delivered", "Handler", "checked"]
 
 
+def breaker_of(handler: Handler) -> CircuitBreaker:
+    """A new circuit breaker by the handler's RetryPolicy.breaker_threshold: one per runner."""
+    return CircuitBreaker(handler.dedup.retry.breaker_threshold, handler.dedup.consumer)
+
+
+def _in_flight(handler: Handler, delivered: Sequence[Delivered]) -> AbstractContextManager[None]:
+    """``nesting.deciding`` for ``delivered`` on ``handler``'s database and table."""
+    dedup = handler.dedup
+    database = dedup.engine.url.render_as_string(hide_password=True)
+    return deciding(database, str(dedup.tables.processed_events), dedup.consumer, delivered)
+
+
 def checked(handler: object) -> Handler:
     """``handler`` if it is what ``@dedup.handler`` returns, of either deduplicator."""
     if not isinstance(handler, DedupHandler | AsyncDedupHandler):
-        raise ConfigurationError("handler must be what @dedup.handler returned")
+        raise refuse("handler", handler, "what @dedup.handler or @dedup.bulk_handler returned")
     return handler
 
 
@@ -41,6 +57,8 @@ class BlockingProcessor:
     def __init__(self, handler: object) -> None:
         self.handler = checked(handler)
         self.consumer = self.handler.dedup.consumer
+        self.breaker = breaker_of(self.handler)
+        """The runner's circuit breaker (consumerdedup.breaker), given to every batch."""
         self._loop = OwnLoop()
         self._checked = False
 
@@ -57,23 +75,39 @@ class BlockingProcessor:
             require_startup(handler.dedup.engine, tables, used)
         self._checked = True
 
-    def process(self, delivered: Sequence[Delivered], *, ordered: bool = False) -> list[Result]:
-        """One Result per delivery, in order (see the module's docstring)."""
+    def process(
+        self,
+        delivered: Sequence[Delivered],
+        *,
+        ordered: bool = False,
+        fence: OffsetFence | None = None,
+    ) -> list[Result]:
+        """One Result per delivery, in order (see the module's docstring); ``fence``: the
+        source's offset, written in the batch's transactions (offset_fence)."""
         if hooks.process is None:  # no telemetry: this one read is all it costs
-            return self._process(delivered, ordered)
+            return self._process(delivered, ordered, fence)
         spans = hooks.process.start(self.consumer, delivered)
         try:
-            results = self._process(delivered, ordered)
+            results = self._process(delivered, ordered, fence)
         except BaseException as exc:
             spans.fail(exc)
             raise
         spans.finish(results)
         return results
 
-    def _process(self, delivered: Sequence[Delivered], ordered: bool) -> list[Result]:
-        if isinstance(self.handler, AsyncDedupHandler):
-            return self._loop.run(self.handler.process_deliveries(delivered, ordered=ordered))
-        return self.handler.process_deliveries(delivered, ordered=ordered)
+    def _process(
+        self, delivered: Sequence[Delivered], ordered: bool, fence: OffsetFence | None
+    ) -> list[Result]:
+        breaker = self.breaker
+        with _in_flight(self.handler, delivered):
+            if isinstance(self.handler, AsyncDedupHandler):
+                deliveries = self.handler.process_deliveries(
+                    delivered, ordered=ordered, breaker=breaker, fence=fence
+                )
+                return self._loop.run(deliveries)
+            return self.handler.process_deliveries(
+                delivered, ordered=ordered, breaker=breaker, fence=fence
+            )
 
     def close(self) -> None:
         """Close the event loop an asyncio handler ran on, if any."""
@@ -86,6 +120,8 @@ class AsyncProcessor:
     def __init__(self, handler: object) -> None:
         self.handler = checked(handler)
         self.consumer = self.handler.dedup.consumer
+        self.breaker = breaker_of(self.handler)
+        """The runner's circuit breaker (consumerdedup.breaker), given to every batch."""
         self._checked = False
 
     async def check_startup(self) -> None:
@@ -101,22 +137,35 @@ class AsyncProcessor:
         self._checked = True
 
     async def process(
-        self, delivered: Sequence[Delivered], *, ordered: bool = False
+        self,
+        delivered: Sequence[Delivered],
+        *,
+        ordered: bool = False,
+        fence: OffsetFence | None = None,
     ) -> list[Result]:
-        """One Result per delivery, in order (see the module's docstring)."""
+        """One Result per delivery, in order (see the module's docstring); ``fence``: see
+        ``BlockingProcessor.process``."""
         if hooks.process is None:  # no telemetry: this one read is all it costs
-            return await self._process(delivered, ordered)
+            return await self._process(delivered, ordered, fence)
         spans = hooks.process.start(self.consumer, delivered)
         try:
-            results = await self._process(delivered, ordered)
+            results = await self._process(delivered, ordered, fence)
         except BaseException as exc:
             spans.fail(exc)
             raise
         spans.finish(results)
         return results
 
-    async def _process(self, delivered: Sequence[Delivered], ordered: bool) -> list[Result]:
-        if isinstance(self.handler, AsyncDedupHandler):
-            return await self.handler.process_deliveries(delivered, ordered=ordered)
-        process = self.handler.process_deliveries
-        return await asyncio.to_thread(process, delivered, ordered=ordered)
+    async def _process(
+        self, delivered: Sequence[Delivered], ordered: bool, fence: OffsetFence | None
+    ) -> list[Result]:
+        breaker = self.breaker
+        with _in_flight(self.handler, delivered):
+            if isinstance(self.handler, AsyncDedupHandler):
+                return await self.handler.process_deliveries(
+                    delivered, ordered=ordered, breaker=breaker, fence=fence
+                )
+            process = self.handler.process_deliveries
+            return await asyncio.to_thread(
+                process, delivered, ordered=ordered, breaker=breaker, fence=fence
+            )

@@ -32,10 +32,13 @@ from __future__ import annotations
 import functools
 import inspect
 import sqlite3
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..errors import CommitInHandler, ConfigurationError
+from ..db.control_sql import transaction_control
+from ..errors import CommitInHandler, ConfigurationError, TransactionBroken
+from .search_path import send_first, send_first_async
 
 Refuse = Callable[[str], CommitInHandler]
 """Given the method's name, the error to raise (and the call notes that it happened)."""
@@ -47,14 +50,28 @@ class StatementWatch(Protocol):
     def refuse_raw_end(self, word: str) -> CommitInHandler:
         """Given the raw method's name (``commit``), the error to raise."""
 
-    def before_sql(self, sql: str, parameters: Any, executemany: bool) -> None:
-        """Before ``sql`` is sent: raise to refuse it."""
+    def before_sql(self, sql: str, parameters: Any, executemany: bool) -> Any:
+        """Before ``sql`` is sent: raise to refuse it; send back a statement of ours to send
+        first on the connection (search_path.PathKeeper), or None."""
+
+    def sent_first(self, first: Any, value: Any) -> None:
+        """What ``first`` read (search_path.send_first)."""
 
     def after_sql(self) -> None:
         """After a statement returned: raise if it ended the transaction."""
 
     def failed_sql(self, error: BaseException) -> None:
         """The driver raised ``error`` for the statement (it is raised on after this)."""
+
+    def savepoint_below(self) -> None:
+        """psycopg's ``transaction()`` is entered: a savepoint no cursor sends."""
+
+    def made(self, cursor: Any) -> None:
+        """A cursor the connection made while this watch is on (``expire`` at the call's end)."""
+
+    def refuse_foreign_rollback(self) -> None:
+        """Before the raw ``rollback()`` runs: raise if a thread or task other than the
+        pipeline's calls it (one the handler left running)."""
 
 
 _WATCH = "_consumerdedup_watch"
@@ -93,6 +110,8 @@ def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], Non
 
     def unlock() -> None:
         vars(raw).pop("commit", None)
+        for word in _MYSQL_METHODS:
+            vars(raw).pop(word, None)
         lift()
 
     return unlock, False
@@ -119,13 +138,19 @@ def _watch_psycopg(raw: Any, watch: StatementWatch, coroutine: bool) -> Callable
     this one had set is put back at the end (a handler that runs another deduplicator's
     handler on the same connection)."""
     own = vars(raw)
-    before = own.get("commit"), own.get("cursor"), own.get(_WATCH)
+    names = ("commit", "cursor", "rollback", "transaction", _WATCH)
+    before = tuple(own.get(name) for name in names)
     own["commit"] = functools.partial(_refuse_async if coroutine else _refuse_now, watch)
     own["cursor"] = functools.partial(_watching_cursor, raw)
+    # A rollback from a thread the handler left running could land between the check that
+    # the transaction is open and one of our statements, which autocommit would then commit
+    # alone (a record without its effects): refused from any thread or task but ours.
+    own["rollback"] = functools.partial(_rollback_async if coroutine else _rollback_now, raw, watch)
+    own["transaction"] = functools.partial(_transaction_watched, raw, watch)
     own[_WATCH] = watch
 
     def unlock() -> None:
-        for name, value in zip(("commit", "cursor", _WATCH), before, strict=True):
+        for name, value in zip(names, before, strict=True):
             if value is None:
                 own.pop(name, None)
             else:
@@ -149,7 +174,46 @@ def _watching_cursor(raw: Any, *args: Any, **kwargs: Any) -> Any:
                 f"{kind.__name__}: a cursor of this class cannot be watched while a handler "
                 f"runs ({exc}); use psycopg's own cursor classes as the cursor_factory"
             ) from exc
+    watch: StatementWatch | None = vars(raw).get(_WATCH)
+    if watch is not None:
+        watch.made(cursor)
     return cursor
+
+
+_expired: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Cursors made in a handler call that were still open when it ended: a thread or task the
+handler left running could send on one later, into whatever transaction the connection is
+in then (another message's, the application's). Refused from then on."""
+_EXPIRED = (
+    "a cursor made in a handler call was used after that call ended (by a thread or task "
+    "the handler left running?): refused, as its statement would run in another "
+    "transaction; do all of a message's work inside its handler call"
+)
+
+
+def expire(cursors: list[Any]) -> None:
+    """The handler call that made ``cursors`` is over: those still open are refused later."""
+    for cursor in cursors:
+        if not cursor.closed:
+            _expired.add(cursor)
+    cursors.clear()
+
+
+def _transaction_watched(raw: Any, watch: StatementWatch, *args: Any, **kwargs: Any) -> Any:
+    """psycopg's ``transaction()``: its SAVEPOINT, RELEASE and ROLLBACK TO go out without a
+    cursor, unseen; what follows savepoints by their statements is told first."""
+    watch.savepoint_below()
+    return type(raw).transaction(raw, *args, **kwargs)
+
+
+def _rollback_now(raw: Any, watch: StatementWatch, *args: Any, **kwargs: Any) -> Any:
+    watch.refuse_foreign_rollback()
+    return type(raw).rollback(raw, *args, **kwargs)
+
+
+async def _rollback_async(raw: Any, watch: StatementWatch, *args: Any, **kwargs: Any) -> Any:
+    watch.refuse_foreign_rollback()
+    return await type(raw).rollback(raw, *args, **kwargs)
 
 
 def _refuse_now(watch: StatementWatch, *_args: Any, **_kwargs: Any) -> None:
@@ -171,9 +235,66 @@ def _deny_on_sqlite(raw: sqlite3.Connection, refuse: Refuse) -> Callable[[], Non
     return lambda: raw.set_authorizer(None)
 
 
+_MYSQL_METHODS = ("query", "begin", "autocommit", "select_db", "set_character_set")
+
+
+def _refuse_mysql(raw: Any, refuse: Refuse) -> None:
+    """PyMySQL and aiomysql: every statement a cursor of theirs sends (``execute``,
+    ``executemany``, ``callproc``) goes out through the connection's ``query()``; its text
+    is read (db.control_sql, as MySQL's lexer reads it) and transaction control, or a
+    statement that commits implicitly, refused for the call. ``begin()`` (a BEGIN: the
+    transaction so far commits) and ``autocommit(True)`` (SET AUTOCOMMIT = 1: the same)
+    are refused too, and ``select_db()`` and ``set_character_set()`` (what later messages
+    on the pooled connection would inherit). Replaced on the instance, as ``commit`` is
+    (unlock removes them)."""
+    kind = type(raw)
+    coroutine = inspect.iscoroutinefunction(kind.query)
+
+    def control(sql: Any) -> str | None:
+        text = sql.decode("utf-8", "surrogateescape") if isinstance(sql, bytes) else str(sql)
+        return transaction_control(text, "mysql")
+
+    if coroutine:
+
+        async def query_async(sql: Any, *args: Any, **kwargs: Any) -> Any:
+            if control(sql):
+                raise refuse("query")
+            return await kind.query(raw, sql, *args, **kwargs)
+
+        async def autocommit_async(value: Any) -> Any:
+            if value:
+                raise refuse("autocommit")
+            return await kind.autocommit(raw, value)
+
+        raw.query, raw.autocommit = query_async, autocommit_async
+    else:
+
+        def query_now(sql: Any, *args: Any, **kwargs: Any) -> Any:
+            if control(sql):
+                raise refuse("query")
+            return kind.query(raw, sql, *args, **kwargs)
+
+        def autocommit_now(value: Any) -> Any:
+            if value:
+                raise refuse("autocommit")
+            return kind.autocommit(raw, value)
+
+        raw.query, raw.autocommit = query_now, autocommit_now
+    raw.begin = _refusal(refuse, "begin", coroutine)
+    # The session's database and character set, for the messages after this one too.
+    for word in ("select_db", "set_character_set"):  # aiomysql has no set_character_set
+        if hasattr(kind, word):
+            coroutine_method = inspect.iscoroutinefunction(getattr(kind, word))
+            setattr(raw, word, _refusal(refuse, word, coroutine_method))
+
+
 def _refuse_sql(raw: Any, refuse: Refuse) -> Callable[[], None]:
     """aiosqlite's own way to send SQL (its thread's sqlite3 connection): COMMIT denied for
-    the call. (psycopg's cursors are watched by ``_watch_psycopg``.)"""
+    the call; PyMySQL's and aiomysql's (``_refuse_mysql``). (psycopg's cursors are watched
+    by ``_watch_psycopg``.)"""
+    if type(raw).__module__.split(".")[0] in ("pymysql", "aiomysql"):
+        _refuse_mysql(raw, refuse)
+        return lambda: None
     inner = getattr(raw, "_conn", None)
     if isinstance(inner, sqlite3.Connection):
         try:
@@ -198,10 +319,14 @@ def _guarded_cursor(base: type) -> type:
         lazy = name in _LAZY
 
         def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if _expired and self in _expired:
+                raise TransactionBroken(_EXPIRED)
             watch: StatementWatch | None = vars(self.connection).get(_WATCH)
             if watch is None:
                 return parent(self, query, *args, **kwargs)
-            watch.before_sql(_text(self, query), args[0] if args else None, many)
+            first = watch.before_sql(_text(self, query), args[0] if args else None, many)
+            if first is not None:
+                watch.sent_first(first, send_first(self, first))
             if lazy:
                 return parent(self, query, *args, **kwargs)
             try:
@@ -213,10 +338,14 @@ def _guarded_cursor(base: type) -> type:
             return result
 
         async def checked_async(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if _expired and self in _expired:
+                raise TransactionBroken(_EXPIRED)
             watch: StatementWatch | None = vars(self.connection).get(_WATCH)
             if watch is None:
                 return await parent(self, query, *args, **kwargs)
-            watch.before_sql(_text(self, query), args[0] if args else None, many)
+            first = watch.before_sql(_text(self, query), args[0] if args else None, many)
+            if first is not None:
+                watch.sent_first(first, await send_first_async(self, first))
             try:
                 result = await parent(self, query, *args, **kwargs)
             except Exception as error:

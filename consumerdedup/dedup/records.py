@@ -63,6 +63,15 @@ class Records:
             removed += yield from carry(Execute(statement, params, Statements.read_count))
         return removed
 
+    def holds(self, items: Sequence[Item], claimed_at: datetime) -> Generator[Op, Any, bool]:
+        """MySQL, the last statement before COMMIT: this transaction still holds every claim
+        of ``items`` stamped ``claimed_at`` (statements.holds)."""
+        held = 0
+        keys = [item.key for item in items]
+        for statement, params in self.statements.holds(self.consumer, keys, claimed_at):
+            held += yield from carry(Execute(statement, params, Statements.read_scalar))
+        return held == len(keys)
+
     def look_up(self, items: Sequence[Item]) -> Generator[Op, Any, list[Item]]:
         """Decide the items a record already exists for; send back the others, in order."""
         if not items:

@@ -7,11 +7,12 @@ The retry loop is not here: the pipeline decides each next attempt and its wait
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ConfigurationError, InvalidMessage, PermanentError
-from ..message import validate_id
+from ..message import MAX_ID_LENGTH, validate_id
 from ..observe import OutcomeCounts, log_result, logger
+from ..options import boolean, function, functions, instance, maybe, text
 from ..outcome import Outcome, Result
 from ..reasons import describe
 from ..retry import RetryPolicy
@@ -21,6 +22,7 @@ from .pipeline import Pipeline
 from .statements import Statements
 
 Observer = Callable[[Result], None]
+T = TypeVar("T")
 
 
 class DeadLetterFailed(PermanentError):
@@ -41,19 +43,36 @@ class OutcomeReporter:
         retry: RetryPolicy | None = None,
         dead_letter: Callable[[Result], Any] | None = None,
         observers: Iterable[Observer] = (),
+        owner: str = "Deduplicator",
     ) -> None:
+        """Both deduplicators' options, checked here once (``owner`` names the class)."""
+        self.owner = owner
+        text(consumer, f"{owner}.consumer", max_length=MAX_ID_LENGTH)
         try:
             validate_id(consumer)
         except InvalidMessage as exc:
             # Stored beside every message id: a name the table cannot hold fails every message.
             raise ConfigurationError(f"consumer name {consumer!r:.80} is unusable: {exc}") from None
         self.consumer = consumer
-        self.tables = tables
-        self.retry = retry if retry is not None else RetryPolicy()
-        self.dead_letter = dead_letter
-        self.observers = tuple(observers)
+        self.tables = instance(tables, f"{owner}.tables", Tables, "a Tables (Tables.define(...))")
+        given = maybe(retry, f"{owner}.retry", instance, RetryPolicy, "a RetryPolicy or None")
+        self.retry: RetryPolicy = given if given is not None else RetryPolicy()
+        # Called without await by the blocking Deduplicator: an async def would never send.
+        sync = not owner.startswith("Async")
+        self.dead_letter = maybe(dead_letter, f"{owner}.dead_letter", function, blocking=sync)
+        self.observers: tuple[Observer, ...] = functions(
+            observers, f"{owner}.observers", "a callable taking a Result"
+        )
         self.counts = OutcomeCounts()
-        self._statements = Statements(tables, dialect)
+        self._statements = Statements(self.tables, dialect)
+
+    def _claim_first(self, claim_first: object) -> bool:
+        """``handler(claim_first=...)``, checked for both deduplicators."""
+        return boolean(claim_first, f"{self.owner}.handler(claim_first)")
+
+    def _session_factory(self, session_factory: T) -> T:
+        maybe(session_factory, f"{self.owner}.session_factory", function)
+        return session_factory
 
     def _pipeline(self, claim_first: bool) -> Pipeline:
         return Pipeline(self._statements, self.consumer, self.retry, claim_first)

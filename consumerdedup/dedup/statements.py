@@ -11,7 +11,7 @@ from sqlalchemy import Delete, Select, TextualSelect, bindparam, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
-from ..db.dialects import require_supported
+from ..db.dialects import is_mysql, require_supported
 from ..db.names import table_sql
 from ..errors import ConfigurationError
 from ..outcome import Outcome
@@ -20,6 +20,7 @@ from ..retry import setup_fault
 from ..schema import Tables
 from . import partitioned_statements
 from .driver_sql import DriverSQL
+from .mysql_claim import ClaimCount, KeyedInsert
 
 MAX_PARAMETERS = 30_000
 """Bound parameters per statement of ours, under every supported driver's limit:
@@ -55,12 +56,21 @@ class Statements:
         )
         self.serialized = tables.partitioned
         """Claims serialize on advisory locks: a partitioned table has no key to conflict on."""
+        self.mysql = is_mysql(dialect)
+        """MySQL/MariaDB: the claim is a plain INSERT (mysql_claim), and its rows are
+        verified ours right before COMMIT (``holds``): InnoDB's deadlock rolls the whole
+        transaction back and the next statement silently opens a new one. Both go to the
+        driver as text built once (mysql_claim), as the psycopg statements do."""
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        self._record: Insert | TextualSelect = (
-            insert(pe)
+        mysql_name = table_sql(pe, "mysql")
+        self._record: Insert | TextualSelect | KeyedInsert = (
+            KeyedInsert(mysql_name)
+            if self.mysql
+            else insert(pe)
             .on_conflict_do_nothing(index_elements=[pe.c.consumer, pe.c.message_id])
             .returning(pe.c.message_id)
         )
+        self._holds = ClaimCount(mysql_name, _PROCESSED)
         if self.serialized:
             if dialect != "postgresql":
                 raise ConfigurationError("a partitioned processed_events needs PostgreSQL")
@@ -130,7 +140,7 @@ class Statements:
 
     def records(
         self, rows: Iterable[Mapping[str, Any]]
-    ) -> list[tuple[Insert | TextualSelect | DriverSQL, Any]]:
+    ) -> list[tuple[Insert | TextualSelect | DriverSQL | KeyedInsert, Any]]:
         """INSERT ... ON CONFLICT DO NOTHING RETURNING message_id: what comes back was ours.
 
         The rows go in key order, in as many statements as the parameter limit needs:
@@ -149,6 +159,8 @@ class Statements:
             return [(self._driver_record, params)]
         if self.serialized:
             return [(self._record, partitioned_statements.record_params(listed))]
+        if self.mysql:  # in key order, cut to size by KeyedInsert itself
+            return [(self._record, listed)]
         size = MAX_PARAMETERS // _RECORD_COLUMNS
         return [(self._record, listed[i : i + size]) for i in range(0, len(listed), size)]
 
@@ -177,6 +189,28 @@ class Statements:
             )
             for i in range(0, len(keys), size)
         ]
+
+    def holds(
+        self, consumer: str, keys: Sequence[str], claimed_at: datetime
+    ) -> list[tuple[ClaimCount, dict[str, Any]]]:
+        """COUNT the claims of ``keys`` stamped ``claimed_at`` this transaction sees: all of
+        them while it is the one that wrote them; fewer in a new transaction that began after
+        InnoDB rolled ours back (its snapshot has no uncommitted row of ours; a twin's row
+        has the twin's own stamp). The stamp is the attempt's token (see ``unclaims``)."""
+        size = MAX_PARAMETERS - 4
+        return [
+            (
+                self._holds,
+                {"consumer": consumer, "keys": list(keys[i : i + size]), "claimed_at": claimed_at},
+            )
+            for i in range(0, len(keys), size)
+        ]
+
+    @staticmethod
+    def read_scalar(rows: Any) -> int:
+        """The one value of a one-row answer (a driver's rows, mysql_claim)."""
+        ((value,),) = rows
+        return int(value)
 
     @staticmethod
     def read_count(result: Any) -> int:

@@ -37,10 +37,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..breaker import CircuitBreaker
 from ..errors import HeldBack, PayloadMismatch, RetryLater
 from ..message import Message, payload_hash
 from ..outcome import Outcome, Result
 from ..retry import ErrorKind
+from .offset_fence import OffsetFence
 
 
 class State(enum.Enum):
@@ -79,22 +81,39 @@ def next_after(kind: ErrorKind, failing: bool, exhausted: bool) -> Next:
     return ON_FAILURE[kind, failing][exhausted]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Item:
     """One distinct key of a batch and where it stands."""
 
     message: Message
     key: str
-    hash: str
+    digest: str | None = None
+    """The payload hash, once computed (``hash``); given at once for a body that could
+    change or fail to encode later (anything but ``bytes``)."""
     state: State = State.NEW
     attempts: int = 0
     """Failed tries charged to it so far."""
+    waited: int = 0
+    """Of those, the ones whose backoff wait was taken (or is not owed): the pipeline waits
+    ``delay(attempts)`` before its next try while ``waited < attempts`` (pipeline._owed)."""
+    counted: bool = False
+    """Told to the runner's circuit breaker already (its handler's success or failure)."""
     failure: BaseException | None = None
     """FAILING: the permanent failure its record will carry."""
     result: Result | None = None
     """DECIDED: its Result."""
-    followers: list[Item] = field(default_factory=list)
-    """Later copies of its key in the batch: they take its fate."""
+    followers: list[Item] | None = None
+    """Later copies of its key in the batch: they take its fate (None: there are none, the
+    usual case, so a batch holds no empty list per message)."""
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the body (``payload_hash``), computed when first read: only a claim,
+        a lookup, a FAILED record or a twin in the batch needs it, and with offsets in the
+        database (no claims) most batches need none."""
+        if self.digest is None:
+            self.digest = payload_hash(self.message.body)
+        return self.digest
 
     def decide(self, outcome: Outcome, error: BaseException | None = None) -> None:
         tries = self.attempts + (1 if outcome is Outcome.PROCESSED else 0)
@@ -123,6 +142,11 @@ class Batch:
     """At most this many items in the next transaction: halved while a failure names no culprit."""
     rounds: int = 0
     """Attempts so far: past ``round_budget``, whatever is undecided ends RETRY."""
+    breaker: CircuitBreaker | None = None
+    """The runner's circuit breaker: once open, no more of the batch is tried (RETRY)."""
+    fence: OffsetFence | None = None
+    """The source's position, written (fenced by its owner epoch) in every transaction of
+    the batch (offset_fence)."""
     spent: dict[str, str] = field(default_factory=dict)
     """Per transient failure (its ``signature``), the key whose attempts it used up: the
     same failure again in this batch ends what remains RETRY at once, so one outage costs
@@ -168,7 +192,7 @@ class Batch:
             else:
                 assert slot.result is not None, "results() before every item was decided"
                 result = slot.result
-                for follower in slot.followers:
+                for follower in slot.followers or ():
                     follower.result = _follow(result, follower)
             if self.ordered and ahead is not None and result.outcome is Outcome.FAILED:
                 why = HeldBack(f"behind {ahead.id!r}, which is retried")

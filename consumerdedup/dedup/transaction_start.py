@@ -67,6 +67,8 @@ def begin_checked(session: Session, what: str, pipelined: bool = False) -> None:
             f"({describe(exc)}): this is its setup, not any message's fault"
         ) from exc
     dialects.require_readable(connection, what)
+    if dialects.is_mysql(connection.dialect):  # once per pooled connection
+        dialects.require_mysql_server(connection, what)
     if taken is not None:  # in a transaction of its own once driver_sql sent the BEGIN
         session.info[AUTOCOMMIT_CONNECTION] = connection
         session.info[PENDING_BEGIN] = taken[1]

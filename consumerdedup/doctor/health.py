@@ -19,8 +19,9 @@ from . import FAIL, OK, WARN, Check, Settings
 PRUNE = "run `consumerdedup prune --every 1h ...` (or a Pruner) with these windows"
 
 
-def _age(now: datetime, then: datetime) -> str:
-    seconds = max(int((now - _aware(then)).total_seconds()), 1)
+def how_long(now: datetime, then: datetime) -> str:
+    """How long ago ``then`` was, as durations write it (to the minute past an hour)."""
+    seconds = max(int((now - aware(then)).total_seconds()), 1)
     if seconds >= 3600:  # to the minute past an hour
         seconds -= seconds % 60
     return durations.render(timedelta(seconds=seconds))
@@ -82,9 +83,9 @@ def outbox(conn: Connection, tables: Tables, settings: Settings) -> list[Check]:
     if not backlog:
         found.append(Check("outbox backlog", OK, f"nothing waiting in {ob.fullname}"))
     else:
-        age = _age(now, oldest)
+        age = how_long(now, oldest)
         detail = f"{backlog:,} event(s) waiting in {ob.fullname}, the oldest for {age}"
-        stale = _aware(oldest) < now - settings.outbox_max_age
+        stale = aware(oldest) < now - settings.outbox_max_age
         if stale:
             fix = "start `consumerdedup relay` (or the Relay); check its logs for the broker"
             limit = durations.render(settings.outbox_max_age)
@@ -100,7 +101,7 @@ def outbox(conn: Connection, tables: Tables, settings: Settings) -> list[Check]:
     return found
 
 
-def _aware(value: datetime) -> datetime:
+def aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
@@ -127,8 +128,9 @@ def old_records(conn: Connection, tables: Tables, settings: Settings) -> Check:
     late = []
     for consumer, oldest, _count in rows:
         keep = keeps.get(consumer, common)
-        if keep is not None and _aware(oldest) < now - keep:
-            late.append(f"{consumer} (oldest {_age(now, oldest)}, kept {durations.render(keep)})")
+        if keep is not None and aware(oldest) < now - keep:
+            kept = durations.render(keep)
+            late.append(f"{consumer} (oldest {how_long(now, oldest)}, kept {kept})")
     if late:
         detail = f"records older than their window + buffer: {', '.join(late)}"
         return Check("old records", FAIL, detail + ": the pruner is not running", PRUNE)

@@ -21,12 +21,14 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped]
 from sqlalchemy import Engine
 
+from .. import options
 from ..errors import ConfigurationError
-from ..headers import CONSUMER_HEADER, ID_HEADER, REASON_HEADER, SOURCE_HEADER
+from ..headers import CONSUMER_HEADER, ID_HEADER, REASON_HEADER, REPLAYED_HEADER, SOURCE_HEADER
 from ..schema import DEFAULT, Tables
 from . import KAFKA_GROUP
 from .records import forget
 from .report import DeadLetter, ReplayReport
+from .selection import UNRECORDED, Selection, judge
 
 GROUP = KAFKA_GROUP
 _OURS_PREFIX = "x-dead-letter-"
@@ -56,14 +58,20 @@ async def replay_async(
     idempotent_producer: bool = False,
     dry_run: bool = False,
     on_confirmed: Callable[[DeadLetter], Any] | None = None,
+    selection: Selection | None = None,
 ) -> ReplayReport:
-    """Replay up to ``limit`` (None: all) dead letters of ``dead_letter_topic`` to their
-    source topic (``to``: that topic instead). With ``dry_run`` nothing is forgotten,
-    produced or committed."""
+    """Replay up to ``limit`` (None: all) dead letters of ``dead_letter_topic`` that
+    ``selection`` takes (None: all) to their source topic (``to``: that topic instead).
+    With ``dry_run`` nothing is forgotten, produced or committed. A partition's committed
+    offset never passes a letter the selection passed over: the next replay, selecting
+    otherwise, reads it again (and the letters replayed after it, answered then by their
+    records)."""
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ConfigurationError(f"limit must be a positive int or None, got {limit!r}")
     if from_offset is not None and (not isinstance(from_offset, int) or from_offset < 0):
         raise ConfigurationError(f"from_offset must be an int >= 0, got {from_offset!r}")
+    selection = options.maybe(selection, "selection", options.instance, Selection, "a Selection")
+    selection = selection or Selection()
     adapter: Any = importlib.import_module("consumerdedup.adapters.kafka")
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers,
@@ -94,29 +102,33 @@ async def replay_async(
                 consumer.seek(tp, start)
         left = limit
         for tp in partitions:
+            passed_over = False  # once one is, this partition's offset is not committed on
             while (left is None or left > 0) and await consumer.position(tp) < ends[tp]:
                 fetched = await consumer.getmany(tp, timeout_ms=1000, max_records=100)
                 batch = [r for r in fetched.get(tp, []) if r.offset < ends[tp]]
-                if left is not None:
-                    batch = batch[:left]
                 if not batch:
                     continue
+                chosen = _Chosen(engine, tables, selection, left)
+                before = len(report.replayed) + len(report.kept)
+                batch = chosen.cut(batch, id_header)
                 done = await _replay_batch(
                     engine,
                     tables,
                     publisher,
-                    batch,
+                    chosen,
                     (to, known),
-                    id_header,
                     dry_run,
                     on_confirmed,
                     report,
                 )
                 if left is not None:
-                    left -= done
-                if done and not dry_run:
+                    left -= len(report.replayed) + len(report.kept) - before
+                passed_over = passed_over or chosen.skipped_before(done)
+                if done and not dry_run and not passed_over:
                     await consumer.commit({tp: batch[done - 1].offset + 1})
                 if done < len(batch):  # stopped at a record that cannot go back
+                    break
+                if len(batch) < len(chosen.records):  # the limit was reached
                     break
     finally:
         await consumer.stop()
@@ -131,41 +143,92 @@ async def _partitions(consumer: Any, topic: str) -> set[int]:
     return set(consumer.partitions_for_topic(topic) or ())
 
 
+class _Chosen:
+    """A fetched batch as the selection sees it: each record's letter, whether the
+    selection takes it and whether it has a record; cut at the limit's last one."""
+
+    def __init__(
+        self, engine: Engine, tables: Tables, selection: Selection, left: int | None
+    ) -> None:
+        self.engine, self.tables, self.selection, self.left = engine, tables, selection, left
+        self.records: list[Any] = []
+        self.letters: list[DeadLetter] = []
+        self.judged: list[tuple[bool, bool]] = []
+
+    def cut(self, batch: Sequence[Any], id_header: str) -> list[Any]:
+        """``batch`` up to the record that fills the limit (the selection's picks count)."""
+        self.records = list(batch)
+        letters = [_letter(record, id_header) for record in batch]
+        judged = judge(self.engine, self.tables, letters, self.selection)
+        end = len(batch)
+        if self.left is not None:
+            picks = [i for i, (chosen, _) in enumerate(judged) if chosen]
+            if len(picks) >= self.left:
+                end = picks[self.left - 1] + 1
+        self.letters, self.judged = letters[:end], judged[:end]
+        return self.records[:end]
+
+    def skipped_before(self, done: int) -> bool:
+        return not all(chosen for chosen, _ in self.judged[:done])
+
+
 async def _replay_batch(
     engine: Engine,
     tables: Tables,
     publisher: Any,
-    batch: Sequence[Any],
+    chosen: _Chosen,
     target: tuple[str | None, set[str]],
-    id_header: str,
     dry_run: bool,
     on_confirmed: Callable[[DeadLetter], Any] | None,
     report: ReplayReport,
 ) -> int:
-    """Forget, then re-produce ``batch`` up to its first unreplayable record; how many went."""
+    """Forget, then re-produce the chosen letters up to the first one that cannot go back;
+    how many records were dealt with (re-produced or passed over)."""
     to, known = target
-    letters = [_letter(record, id_header) for record in batch]
     go = 0
-    for letter in letters:
+    for letter, (taken, recorded) in zip(chosen.letters, chosen.judged, strict=True):
+        if not taken:
+            go += 1
+            continue
         why = _unreplayable(letter, to, known)
+        if why is None and chosen.selection.only_recorded and not recorded:
+            why = UNRECORDED
         if why is not None:
             report.kept.append((letter, why))
             break
         go += 1
+    going = [
+        (letter, recorded)
+        for letter, (taken, recorded) in zip(chosen.letters[:go], chosen.judged[:go], strict=True)
+        if taken
+    ]
+    report.skipped += go - len(going)
     by_consumer: dict[str, list[str]] = {}
-    for letter in letters[:go]:
+    for letter, _ in going:
         by_consumer.setdefault(str(letter.consumer), []).append(str(letter.message_id))
     for consumer, ids in by_consumer.items():
         report.forgotten += len(forget(engine, consumer, ids, dry_run=dry_run, tables=tables))
-    for record, letter in zip(batch[:go], letters[:go], strict=True):
+    picked = iter(going)
+    for record, (taken, _) in zip(chosen.records[:go], chosen.judged[:go], strict=True):
+        if not taken:
+            continue
+        letter, recorded = next(picked)
         if not dry_run:
-            headers = [(k, v) for k, v in record.headers if not k.startswith(_OURS_PREFIX)]
+            headers = [
+                (k, v)
+                for k, v in record.headers
+                if not k.startswith(_OURS_PREFIX) and k != REPLAYED_HEADER
+            ]
+            where = f"{record.topic}:{record.partition}:{record.offset}"
+            headers.append((REPLAYED_HEADER, where.encode()))
             await publisher.send(
                 to or str(letter.source), record.value, key=record.key, headers=headers
             )
             if on_confirmed is not None:
                 on_confirmed(letter)
         report.replayed.append(letter)
+        if not recorded:
+            report.unrecorded.append(letter)
     return go
 
 

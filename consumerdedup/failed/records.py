@@ -3,31 +3,31 @@
 The order is the table's key, (consumer, message_id): unique on both layouts (on the
 partitioned table the claim keeps it unique across partitions) and served by its primary
 key index, so a page costs the same however deep the cursor. The cursor is opaque
-(base64url of the last row's key); a walk returns each record present throughout exactly
-once, whatever is added or forgotten meanwhile. Only ``outcome = 'failed'`` rows are ever
-read or deleted: the DELETE names the state in its WHERE, so a record that completed
-(or that a redelivery completed meanwhile) is never forgotten through here.
+(db.cursors: the last row's key, checked when read back); a walk returns each record
+present throughout exactly once, whatever is added or forgotten meanwhile. Only
+``outcome = 'failed'`` rows are ever read or deleted: the DELETE names the state in its
+WHERE, so a record that completed (or that a redelivery completed meanwhile) is never
+forgotten through here.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, Table, and_, delete, select, tuple_
+from sqlalchemy import Engine, Select, Table, and_, delete, func, select, tuple_
 
+from ..db import cursors
 from ..errors import ConfigurationError
 from ..outcome import Outcome
-from ..schema import DEFAULT, Tables
+from ..schema import DEFAULT, ID_LENGTH, Tables
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 1000
 FAILED = Outcome.FAILED.value
+_CURSOR_TAG = "failed"
 _CHUNK = 500  # ids per DELETE: well under every driver's bound-parameter limit
 
 
@@ -39,25 +39,32 @@ class FailedRecord:
     message_id: str
     failed_at: datetime
     reason: str | None
+    payload_hash: str | None = None
+    """Only from ``show``: the digest of the payload the failure was recorded for."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        found = {
             "consumer": self.consumer,
             "message_id": self.message_id,
             "failed_at": self.failed_at.isoformat(),
             "reason": self.reason,
         }
+        if self.payload_hash is not None:
+            found["payload_hash"] = self.payload_hash
+        return found
 
 
 @dataclass(frozen=True, slots=True)
 class Filters:
     """Which FAILED records: of one consumer, whose reason contains a text, in a time range
-    (``since`` inclusive, ``until`` exclusive). None: no condition."""
+    (``since`` inclusive, ``until`` exclusive), whose message id starts with a text. None:
+    no condition."""
 
     consumer: str | None = None
     reason: str | None = None
     since: datetime | None = None
     until: datetime | None = None
+    message_id: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("since", "until"):
@@ -84,19 +91,92 @@ def list_failed(
 ) -> Page:
     """One page of FAILED records in (consumer, message_id) order, after ``after`` (a cursor
     from an earlier page); no total count. ConfigurationError on a bad limit or cursor."""
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
-        raise ConfigurationError(f"limit must be an int in 1..{MAX_LIMIT}, got {limit!r}")
-    pe = tables.processed_events
-    filters = filters or Filters()
-    query = _select(pe, filters)
-    if after is not None:
-        query = query.where(_after(pe, decode(after), filters))
-    query = query.order_by(pe.c.consumer, pe.c.message_id).limit(limit + 1)
+    query = page_query(filters, limit=limit, after=after, tables=tables)
     with engine.connect() as conn:
         rows = conn.execute(query).all()
     records = [_record(row) for row in rows[:limit]]
     more = len(rows) > limit
     return Page(records, encode(records[-1]) if more else None)
+
+
+def page_query(
+    filters: Filters | None = None,
+    *,
+    limit: int = DEFAULT_LIMIT,
+    after: str | None = None,
+    tables: Tables = DEFAULT,
+) -> Select[Any]:
+    """The statement ``list_failed`` runs (``limit + 1`` rows: the extra one says whether a
+    next page exists), for a caller that wants to see its plan."""
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigurationError(f"limit must be an int in 1..{MAX_LIMIT}, got {limit!r}")
+    pe = tables.processed_events
+    filters = filters or Filters()
+    query: Select[Any] = _select(pe, filters)
+    if after is not None:
+        query = query.where(_after(pe, decode(after), filters))
+    return query.order_by(pe.c.consumer, pe.c.message_id).limit(limit + 1)
+
+
+def count(engine: Engine, filters: Filters | None = None, *, tables: Tables = DEFAULT) -> int:
+    """How many FAILED records ``filters`` match (a whole-query action's preview)."""
+    pe = tables.processed_events
+    query = _select(pe, filters or Filters()).with_only_columns(func.count())
+    with engine.connect() as conn:
+        return int(conn.execute(query).scalar_one())
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """FAILED records of one consumer with one reason's first line (its exception type and
+    message, as the library writes reasons), and how many."""
+
+    consumer: str
+    reason: str
+    count: int
+
+
+def groups(
+    engine: Engine,
+    filters: Filters | None = None,
+    *,
+    top: int = 50,
+    tables: Tables = DEFAULT,
+) -> list[Group]:
+    """The ``top`` most frequent (consumer, reason) pairs among the records ``filters``
+    match, merged by the reason's first line, the largest first."""
+    pe = tables.processed_events
+    query = (
+        _select(pe, filters or Filters())
+        .with_only_columns(pe.c.consumer, pe.c.error, func.count().label("n"))
+        .group_by(pe.c.consumer, pe.c.error)
+        .order_by(func.count().desc(), pe.c.consumer, pe.c.error)
+        .limit(top)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    merged: dict[tuple[str, str], int] = {}
+    for consumer, error, n in rows:
+        head = (error or "(no reason)").strip().splitlines()[0] if error else "(no reason)"
+        merged[consumer, head] = merged.get((consumer, head), 0) + int(n)
+    found = [Group(c, r, n) for (c, r), n in merged.items()]
+    return sorted(found, key=lambda g: (-g.count, g.consumer, g.reason))
+
+
+def matching(
+    engine: Engine, filters: Filters | None = None, *, tables: Tables = DEFAULT
+) -> dict[str, list[str]]:
+    """The message ids of every FAILED record ``filters`` match, by consumer, walked page by
+    page (what forgetting "all that match" acts on)."""
+    found: dict[str, list[str]] = {}
+    after: str | None = None
+    while True:
+        page = list_failed(engine, filters, limit=MAX_LIMIT, after=after, tables=tables)
+        for record in page.records:
+            found.setdefault(record.consumer, []).append(record.message_id)
+        if page.next_cursor is None:
+            return found
+        after = page.next_cursor
 
 
 def show(
@@ -107,8 +187,11 @@ def show(
     pe = tables.processed_events
     query = _select(pe, Filters(consumer=consumer)).where(pe.c.message_id == message_id)
     with engine.connect() as conn:
-        row = conn.execute(query).first()
-    return _record(row) if row is not None else None
+        row = conn.execute(query.add_columns(pe.c.payload_hash)).first()
+    if row is None:
+        return None
+    record = _record(row[:4])
+    return FailedRecord(record.consumer, record.message_id, record.failed_at, record.reason, row[4])
 
 
 def forget(
@@ -144,21 +227,39 @@ def forget(
     return [message_id for message_id in wanted if message_id in done]
 
 
+def states(
+    engine: Engine, keys: Iterable[tuple[str, str]], *, tables: Tables = DEFAULT
+) -> dict[tuple[str, str], tuple[str, datetime]]:
+    """The outcome and time of the record of each (consumer, message_id) of ``keys`` that
+    has one, whatever its outcome."""
+    by_consumer: dict[str, list[str]] = {}
+    for consumer, message_id in dict.fromkeys(keys):
+        by_consumer.setdefault(consumer, []).append(message_id)
+    pe = tables.processed_events
+    found: dict[tuple[str, str], tuple[str, datetime]] = {}
+    with engine.connect() as conn:
+        for consumer, ids in by_consumer.items():
+            for start in range(0, len(ids), _CHUNK):
+                query = select(pe.c.message_id, pe.c.outcome, pe.c.processed_at).where(
+                    pe.c.consumer == consumer, pe.c.message_id.in_(ids[start : start + _CHUNK])
+                )
+                for message_id, outcome, at in conn.execute(query):
+                    found[consumer, message_id] = (
+                        outcome,
+                        at if at.tzinfo else at.replace(tzinfo=UTC),
+                    )
+    return found
+
+
 def encode(record: FailedRecord) -> str:
-    raw = json.dumps([record.consumer, record.message_id], separators=(",", ":"))
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+    return cursors.encode(_CURSOR_TAG, record.consumer, record.message_id)
 
 
 def decode(cursor: str) -> tuple[str, str]:
-    """The key a cursor stands for; ConfigurationError if it is not one of ours."""
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        consumer, message_id = json.loads(raw)
-        if isinstance(consumer, str) and isinstance(message_id, str):
-            return consumer, message_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
-        pass
-    raise ConfigurationError("not a cursor from an earlier page (--after)")
+    """The key a cursor stands for; InvalidCursor (a ConfigurationError) if it is not one
+    of ours."""
+    consumer, message_id = cursors.decode(cursor, _CURSOR_TAG, (str, str), longest=ID_LENGTH)
+    return str(consumer), str(message_id)
 
 
 def _after(pe: Table, key: tuple[str, str], filters: Filters) -> Any:
@@ -181,6 +282,8 @@ def _select(pe: Table, filters: Filters) -> Any:
         query = query.where(pe.c.consumer == filters.consumer)
     if filters.reason:
         query = query.where(pe.c.error.icontains(filters.reason, autoescape=True))
+    if filters.message_id:
+        query = query.where(pe.c.message_id.startswith(filters.message_id, autoescape=True))
     # In UTC, as the library writes them (SQLite keeps no offset).
     if filters.since is not None:
         query = query.where(pe.c.processed_at >= filters.since.astimezone(UTC))

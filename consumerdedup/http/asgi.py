@@ -23,10 +23,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from ..errors import ConfigurationError
+from ..options import refuse
 from ..schema import DEFAULT, Tables
 from . import flow
 from .asgi_exchange import ASGIApp, Exchange, Receive, Scope, Send
-from .exchange import SESSION_KEY, ResolvedPolicy, check_store
+from .exchange import SESSION_KEY, ResolvedPolicy, check_options, check_store
 from .policy import IdempotencyPolicy
 from .sql_store import AsyncSqlStore, SqlStore
 
@@ -56,6 +57,9 @@ class IdempotencyMiddleware:
         tables: Tables = DEFAULT,
         session_factory: Callable[[], Session | AsyncSession] | None = None,
     ) -> None:
+        check_options(
+            "IdempotencyMiddleware", app, policy, routes, principal, tables, session_factory
+        )
         self.app = app
         self.engine = engine
         self.sql_store: SqlStore | AsyncSqlStore | None = None
@@ -64,9 +68,14 @@ class IdempotencyMiddleware:
         elif isinstance(engine, Engine):
             self.sql_store = SqlStore(engine, tables)
         elif engine is not None:
-            raise ConfigurationError(f"IdempotencyMiddleware: {engine!r} is not an engine")
+            raise refuse(
+                "IdempotencyMiddleware.engine", engine, "a SQLAlchemy Engine or AsyncEngine"
+            )
         if store is None and self.sql_store is None:
-            raise ConfigurationError("IdempotencyMiddleware needs an engine or a store")
+            raise ConfigurationError(
+                "IdempotencyMiddleware needs an engine or a store (engine=, store=): the "
+                "records need a place"
+            )
         self.store: Any = store if store is not None else self.sql_store
         check_store(self.store, "IdempotencyMiddleware", blocking=False)
         self._policy = ResolvedPolicy(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -71,6 +72,7 @@ class Exchange:
         self.app_task: asyncio.Future[None] | None = None
         self.held: flow.Claim | None = None
         self.token = ""
+        self.claim_sent = 0.0
         self.allow_commit: Callable[[], None] | None = None
 
     async def drive(self, steps: Any) -> None:
@@ -124,6 +126,7 @@ class Exchange:
 
     async def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed | flow.StoreBusy:
         args = (claim.scope, claim.key, claim.fingerprint)
+        self.claim_sent = exchange.LeaseWatch.now()
         if not claim.policy.transactional:
             try:
                 result: ClaimResult | flow.StoreFailed | flow.StoreBusy = await call(
@@ -159,10 +162,11 @@ class Exchange:
             self.allow_commit = hold_commits(self.session)
         self.capture = capture = HeldResponse(self.send, policy.max_stored_body)
         self.app_task = task = asyncio.ensure_future(self.owner.app(scope, self.replay, capture))
-        renewing = None
-        if not policy.transactional:
+        renewing = watch = None
+        if not policy.transactional:  # a transactional claim is its transaction: no lease
             assert self.held is not None
-            renewal = renew_lease(self.owner.store, self.held, self.token, policy.lease)
+            watch = exchange.LeaseWatch(policy.lease, self.claim_sent)
+            renewal = renew_lease(self.owner.store, self.held, self.token, policy.lease, watch)
             renewing = asyncio.ensure_future(renewal)
         task.add_done_callback(capture.decide)
         try:
@@ -170,7 +174,8 @@ class Exchange:
         finally:
             if renewing is not None:  # the claim ends now: stored, not stored, or released
                 renewing.cancel()
-        return capture.result(task)
+        result = capture.result(task)
+        return replace(result, lapsed=True) if watch is not None and watch.lapsed() else result
 
     async def replay(self) -> Message:
         """The app's receive: the body we read, then whatever the client does next."""

@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import flow
+from .exchange import LeaseWatch
 from .stored import StoredResponse
 
 Message = MutableMapping[str, Any]
@@ -126,12 +127,15 @@ async def call(function: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.to_thread(function, *args)
 
 
-async def renew_lease(store: Any, held: flow.Claim, token: str, lease: timedelta) -> None:
+async def renew_lease(
+    store: Any, held: flow.Claim, token: str, lease: timedelta, watch: LeaseWatch
+) -> None:
     """Renews ``held`` every third of its lease until cancelled or the claim is lost
-    (the twin of wsgi_held.LeaseRenewer)."""
+    (the twin of wsgi_held.LeaseRenewer); ``watch`` is told how each renewal went."""
     every = lease.total_seconds() / 3
     while True:
         await asyncio.sleep(every)
+        sent = watch.now()
         try:
             kept = await call(store.renew, held.scope, held.key, token, lease)
         except Exception:
@@ -139,6 +143,7 @@ async def renew_lease(store: Any, held: flow.Claim, token: str, lease: timedelta
             # the next one may still hold the claim before its lease runs out.
             log.exception("idempotency lease renewal failed for %s", held.scope)
             continue
+        watch.renewed(sent, bool(kept))
         if not kept:
             log.warning("idempotency claim lost %s: its lease ran out", held.scope)
             return

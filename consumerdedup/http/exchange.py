@@ -11,7 +11,9 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Engine
@@ -19,6 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from ..errors import ConfigurationError
+from ..options import function, instance, maybe, refuse
+from ..schema import Tables
 from . import flow
 from .policy import IdempotencyPolicy
 from .sql_statements import is_lock_timeout
@@ -33,15 +37,42 @@ _STORE_METHODS = ("claim", "renew", "complete", "release")
 
 def check_store(store: Any, middleware: str, *, blocking: bool) -> None:
     """Refuse a store without the four methods (``blocking``: or with an async one)."""
+    option = f"{middleware}.store"
     for name in _STORE_METHODS:
         method = getattr(store, name, None)
         if not blocking and not callable(method):
-            raise ConfigurationError(f"{middleware}: the store has no {name}()")
+            raise refuse(option, store, f"an idempotency store (one with {name}())")
         if blocking and (not callable(method) or inspect.iscoroutinefunction(method)):
-            raise ConfigurationError(
-                f"{middleware}: the store's {name}() must be a blocking "
-                "method (an IdempotencyStore such as SqlStore or RedisStore, not an async one)"
+            raise refuse(
+                option,
+                store,
+                f"a blocking idempotency store (its {name}() a blocking method: SqlStore or "
+                "RedisStore, not an async one)",
             )
+
+
+def check_options(
+    middleware: str,
+    app: object,
+    policy: object,
+    routes: object,
+    principal: object,
+    tables: object,
+    session_factory: object,
+) -> None:
+    """What both middleware take besides the engine and the store, checked as given."""
+    at = middleware + "."
+    function(app, at + "app", "the app to wrap (a callable)")
+    maybe(policy, at + "policy", instance, IdempotencyPolicy,
+          "an IdempotencyPolicy (IdempotencyPolicy.of({...}))")  # fmt: skip
+    # Kept as given, not copied: app.routes may still grow before the first request.
+    if isinstance(routes, str | bytes | Mapping) or not isinstance(routes, Iterable):
+        raise refuse(at + "routes", routes, "the app's routes (a list such as app.routes)")
+    maybe(principal, at + "principal", function,
+          "a callable(scope or environ) -> str | int | None", blocking=True)  # fmt: skip
+    instance(tables, at + "tables", Tables, "a Tables (Tables.define(...))")
+    maybe(session_factory, at + "session_factory", function, "a callable() -> Session",
+          blocking=True)  # fmt: skip
 
 
 class ResolvedPolicy:
@@ -56,11 +87,15 @@ class ResolvedPolicy:
         middleware: str,
     ) -> None:
         self._base = base if base is not None else IdempotencyPolicy()
-        self._routes = routes
+        # A one-shot iterator is read once; a list (app.routes) is kept, as it may still grow.
+        self._routes = list(routes) if isinstance(routes, Iterator) else routes
         self._has_engine = has_engine
         self._middleware = middleware
         self._policy: IdempotencyPolicy | None = None
         self._lock = threading.Lock()
+        # Checked now with the routes the app has so far (a transactional route on a store
+        # without an engine, a mark whose path can never match), again at the first request.
+        self._base.for_middleware(list(self._routes), has_engine=has_engine, middleware=middleware)
 
     def get(self) -> IdempotencyPolicy:
         with self._lock:
@@ -69,6 +104,32 @@ class ResolvedPolicy:
                     self._routes, has_engine=self._has_engine, middleware=self._middleware
                 )
             return self._policy
+
+
+class LeaseWatch:
+    """Whether a claim's lease ran out while its endpoint ran, by this process's clock.
+
+    The lease runs out ``lease`` after the claim (or the last renewal that held) was sent;
+    a renewal that comes back after that, or finds the claim lost, means it ran out. A
+    little early, never late: the store starts its lease when the statement arrives."""
+
+    def __init__(self, lease: timedelta, claim_sent: float) -> None:
+        self.seconds = lease.total_seconds()
+        self.deadline = claim_sent + self.seconds
+        self.ran_out = False
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    def renewed(self, sent: float, kept: bool) -> None:
+        if not kept or self.now() > self.deadline:
+            self.ran_out = True
+        if kept:
+            self.deadline = max(self.deadline, sent + self.seconds)
+
+    def lapsed(self) -> bool:
+        return self.ran_out or self.now() > self.deadline
 
 
 def new_session(factory: Callable[[], Any] | None, engine: Engine | AsyncEngine | None) -> Any:

@@ -15,7 +15,6 @@ the profile of bench_http: anyio's run_sync twice per request).
 
 # No `from __future__ import annotations`: FastAPI reads these signatures, whose
 # annotations name local dependencies.
-from dataclasses import replace
 from typing import Annotated, Any
 
 try:
@@ -27,7 +26,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from ..errors import ConfigurationError
 from .asgi import SESSION_KEY
-from .policy import MARK, RoutePolicy
+from .policy import MARK, RoutePolicy, route_policy
 
 _DESCRIPTION = (
     "Makes this request safe to retry: send a new unique key (e.g. a UUID, 1-255 printable ASCII "
@@ -36,10 +35,6 @@ _DESCRIPTION = (
     "first request is still running (retry after Retry-After); 422 means the key was used for a "
     "different request."
 )
-
-
-def _policy(policy: RoutePolicy | None, settings: dict[str, Any]) -> RoutePolicy:
-    return replace(policy, **settings) if policy is not None else RoutePolicy(**settings)
 
 
 def _header_dependency(route: RoutePolicy) -> Any:
@@ -63,7 +58,7 @@ def _header_dependency(route: RoutePolicy) -> Any:
 
 def Idempotent(policy: RoutePolicy | None = None, **settings: Any) -> Any:
     """A dependency marking its route with a RoutePolicy (or its fields) and the header."""
-    route = _policy(policy, settings)
+    route = route_policy(policy, settings, "Idempotent")
     header = _header_dependency(route)
 
     async def idempotency_key(key: Annotated[str | None, Depends(header)]) -> str | None:
@@ -75,9 +70,12 @@ def Idempotent(policy: RoutePolicy | None = None, **settings: Any) -> Any:
 
 def TransactionalSession(policy: RoutePolicy | None = None, **settings: Any) -> Any:
     """A dependency giving a transactional route the request's Session (marks the route too)."""
-    route = _policy(policy, {"transactional": True, **settings})
+    route = route_policy(policy, {"transactional": True, **settings}, "TransactionalSession")
     if not route.transactional:
-        raise ConfigurationError("TransactionalSession is for transactional routes")
+        raise ConfigurationError(
+            "TransactionalSession(transactional=False): TransactionalSession is for "
+            "transactional routes (use Idempotent(...) for the others)"
+        )
     header = _header_dependency(route)
 
     async def idempotency_session(request: Request, key: Annotated[Any, Depends(header)]) -> Any:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..options import text
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,10 @@ def json_fields(*names: str) -> Fingerprinter:
     A body that is not a JSON object fingerprints as its raw bytes, so two
     unreadable bodies are still told apart.
     """
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ConfigurationError("json_fields needs one or more field names")
+    if not names:
+        raise ConfigurationError("json_fields(*names): give one or more field names")
+    for index, name in enumerate(names):
+        text(name, f"json_fields(names[{index}])")
 
     def fingerprint(request: RequestFacts) -> str:
         try:

@@ -54,7 +54,7 @@ from .operations import (
     StoreFailed,
     advance,
 )
-from .policy import IdempotencyPolicy
+from .policy import IdempotencyPolicy, RoutePolicy
 from .store import Claimed, ClaimResult, Completed, Mismatch
 from .stored import StoredResponse
 
@@ -87,9 +87,26 @@ def scope_of(method: str, path: str, principal: str | int | None) -> str:
     return scope
 
 
-def should_store(status: int) -> bool:
-    """2xx and 4xx (and 3xx) are answers to keep; 5xx and "retry later" 4xx are not."""
+def should_store(status: int, route: RoutePolicy | None = None) -> bool:
+    """2xx and 4xx (and 3xx) are answers to keep; 5xx, "retry later" 4xx and the route's
+    ``unstored_statuses`` are not."""
+    if route is not None and status in route.unstored_statuses:
+        return False
     return status < 500 and status not in RETRYABLE_STATUSES
+
+
+def _lease_lapsed(where: str, label: str, route: RoutePolicy) -> None:
+    """Said when it happens: the endpoint outlived its lease, a twin may have run it too."""
+    log.warning(
+        "idempotency lease expired %s %s: the endpoint ran past its %g s lease without a "
+        "renewal (a blocked event loop or an unreachable store); a twin may have run it "
+        "again. Its result is stored only if no other request took the key meanwhile",
+        where,
+        label,
+        route.lease.total_seconds(),
+    )
+    if hooks.http_lease_expired is not None:
+        hooks.http_lease_expired(where.split(" ", 1)[0])
 
 
 def decide(
@@ -135,6 +152,11 @@ def _decide(
         return Respond(problems.body_too_large(route.max_request_body).response())
     facts = RequestFacts(request.method.upper(), request.path, request.query, body, request.headers)
     fingerprint = route.fingerprint(facts)
+    if not isinstance(fingerprint, str):  # a setup fault: loud (500), never a store outage
+        raise ConfigurationError(
+            f"RoutePolicy.fingerprint returned a {type(fingerprint).__qualname__}; "
+            "a fingerprinter returns a str (e.g. a hex digest)"
+        )
     scope = scope_of(request.method, request.path, request.principal)
     waits_in_store = route.transactional and lock_waits
     claim = Claim(scope, key, fingerprint, route)
@@ -143,11 +165,13 @@ def _decide(
         return claimed
     log.info("idempotency claimed %s %s", where, label)
     ran: RunResult = yield Run(claimed.token, route)
+    if ran.lapsed:
+        _lease_lapsed(where, label, route)
     if isinstance(ran, Crashed):
         yield Release(scope, key, claimed.token)
         log.info("idempotency released %s %s: the endpoint did not complete", where, label)
         return SendCaptured(stored=False)
-    if isinstance(ran, Finished) and not should_store(ran.response.status):
+    if isinstance(ran, Finished) and not should_store(ran.response.status, route):
         yield Release(scope, key, claimed.token)
         log.info(
             "idempotency released %s %s: status %d is not stored", where, label, ran.response.status
@@ -213,13 +237,16 @@ def _claim(
             log.info("idempotency replayed %s %s", where, label)
             return Respond(result.response, replayed=True)
         # StoreBusy: a twin, or another key (SQLite's one writer): waited for alike.
+        # A twin's 409 says retry soon (the route's retry_after, about a typical run), never
+        # after the whole rest of its lease (a minute by default): it is renewed while it runs.
         retry_after = 1.0 if isinstance(result, StoreBusy) else result.retry_after
+        told = min(retry_after, claim.policy.retry_after.total_seconds())
         if waited >= budget and isinstance(result, StoreBusy):
             log.info("idempotency refused %s %s: the database is busy (SQLite)", where, label)
             return Respond(problems.store_busy().response())
         if waited >= budget:
             log.info("idempotency in flight %s %s", where, label)
-            return Respond(problems.in_flight(retry_after).response())
+            return Respond(problems.in_flight(told).response())
         step = min(poll, budget - waited, retry_after or poll)
         yield Pause(max(step, 0.001))
         waited += step

@@ -74,11 +74,14 @@ Operation = ReadBody | Claim | Pause | Run | Complete | Release
 
 
 # What Run reports
+# ``lapsed`` on each: the claim's lease had run out before the run ended (renewals stalled
+# or failed: a blocked event loop, an unreachable store), so a twin may have run beside it.
 @dataclass(frozen=True)
 class Finished:
     """The endpoint answered completely, within max_stored_body."""
 
     response: StoredResponse
+    lapsed: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Overflowed:
     """The endpoint's response grew past max_stored_body: the driver holds what it has."""
 
     status: int
+    lapsed: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class Crashed:
     """The endpoint raised, the client went away, or the response never completed."""
 
     error: BaseException | None
+    lapsed: bool = False
 
 
 RunResult = Finished | Overflowed | Crashed

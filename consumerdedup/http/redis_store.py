@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..errors import ConfigurationError
+from ..options import instance, refuse, text
 from .store import Claimed, ClaimResult, Completed, InFlight, Mismatch
 from .stored import CorruptStoredResponse, StoredResponse
 
@@ -71,22 +72,20 @@ def _milliseconds(duration: timedelta, name: str) -> int:
     return max(1, int(duration.total_seconds() * 1000))
 
 
-def _check_prefix(prefix: object) -> str:
-    if not isinstance(prefix, str) or not prefix:
-        raise ConfigurationError(
-            f"the Redis store's prefix must be a non-empty str, not {prefix!r}"
-        )
-    return prefix
+def _url(url: object, option: str) -> str:
+    """A redis:// URL as a str; never quoted back (it may hold a password)."""
+    if not isinstance(url, str) or not url.strip():
+        raise refuse(option, url, "a Redis URL (a str, redis://host:port/db)", secret=True)
+    return url
 
 
 def _check_client(client: object, kind: type, twin: str) -> None:
     """Fail closed on a client whose replies this store would misread."""
-    if not isinstance(client, kind):
-        raise ConfigurationError(
-            f"{twin} needs a {kind.__module__}.{kind.__qualname__} client, not "
-            f"{type(client).__qualname__} (RedisStore takes redis.Redis, AsyncRedisStore "
-            "redis.asyncio.Redis)"
-        )
+    instance(
+        client, f"{twin}.client", kind,
+        f"a {kind.__module__}.{kind.__qualname__} client (RedisStore takes redis.Redis, "
+        "AsyncRedisStore redis.asyncio.Redis)",
+    )  # fmt: skip
     options = client.get_connection_kwargs()  # type: ignore[attr-defined]
     if options.get("decode_responses"):
         raise ConfigurationError(
@@ -98,8 +97,8 @@ def _check_client(client: object, kind: type, twin: str) -> None:
 class _Records:
     """What the sync and the async store share: key names, script arguments, replies."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = _check_prefix(prefix)
+    def __init__(self, prefix: str, twin: str) -> None:
+        self.prefix = text(prefix, f"{twin}.prefix")
 
     def name(self, scope: str, key: str) -> str:
         digest = hashlib.sha256(f"{scope}\x00{key}".encode("utf-8", "surrogateescape"))
@@ -110,10 +109,23 @@ class _Records:
         # Fixed length whatever the application's fingerprinter returns.
         return hashlib.sha256(fingerprint.encode("utf-8", "surrogateescape")).hexdigest()
 
+    def register(self, client: Any) -> None:
+        """The scripts on ``client``, sync or async alike (registering sends nothing: each
+        runs by its digest, loaded on first use)."""
+        self._claim = client.register_script(CLAIM)
+        self._renew = client.register_script(RENEW)
+        self._complete = client.register_script(COMPLETE)
+        self._release = client.register_script(RELEASE)
+
     def claim_args(self, fingerprint: str, lease: timedelta) -> tuple[str, list[Any]]:
         token = uuid.uuid4().hex
         digest = self.fingerprint(fingerprint)
         return token, ["i" + token + digest, _milliseconds(lease, "lease"), digest]
+
+    def complete_args(
+        self, token: str, expiry: timedelta, response: StoredResponse
+    ) -> list[str | int | bytes]:
+        return [self.check_token(token), _milliseconds(expiry, "expiry"), response.to_bytes()]
 
     def claimed(self, token: str, reply: Sequence[Any], name: str) -> ClaimResult:
         state = bytes(reply[0]).decode()
@@ -142,17 +154,15 @@ class RedisStore(_Records):
     """IdempotencyStore on a blocking ``redis.Redis`` client (thread-safe, as redis-py is)."""
 
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX) -> None:
-        super().__init__(prefix)
+        super().__init__(prefix, "RedisStore")
         _check_client(client, redis.Redis, "RedisStore")
         self.client = client
-        self._claim = client.register_script(CLAIM)
-        self._renew = client.register_script(RENEW)
-        self._complete = client.register_script(COMPLETE)
-        self._release = client.register_script(RELEASE)
+        self.register(client)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX) -> RedisStore:
-        return cls(redis.Redis.from_url(url), prefix)
+        text(prefix, "RedisStore.from_url(prefix)")
+        return cls(redis.Redis.from_url(_url(url, "RedisStore.from_url(url)")), prefix)
 
     def claim(self, scope: str, key: str, fingerprint: str, lease: timedelta) -> ClaimResult:
         name = self.name(scope, key)
@@ -160,17 +170,13 @@ class RedisStore(_Records):
         return self.claimed(token, self._claim(keys=[name], args=args), name)
 
     def renew(self, scope: str, key: str, token: str, lease: timedelta) -> bool:
-        args: list[str | int] = [self.check_token(token), _milliseconds(lease, "lease")]
+        args = [self.check_token(token), _milliseconds(lease, "lease")]
         return bool(self._renew(keys=[self.name(scope, key)], args=args))
 
     def complete(
         self, scope: str, key: str, token: str, response: StoredResponse, expiry: timedelta
     ) -> bool:
-        args: list[str | int | bytes] = [
-            self.check_token(token),
-            _milliseconds(expiry, "expiry"),
-            response.to_bytes(),
-        ]
+        args = self.complete_args(token, expiry, response)
         return bool(self._complete(keys=[self.name(scope, key)], args=args))
 
     def release(self, scope: str, key: str, token: str) -> None:
@@ -181,17 +187,16 @@ class AsyncRedisStore(_Records):
     """AsyncIdempotencyStore on a ``redis.asyncio.Redis`` client: RedisStore's promises, awaited."""
 
     def __init__(self, client: redis.asyncio.Redis, prefix: str = DEFAULT_PREFIX) -> None:
-        super().__init__(prefix)
+        super().__init__(prefix, "AsyncRedisStore")
         _check_client(client, redis.asyncio.Redis, "AsyncRedisStore")
         self.client = client
-        self._claim = client.register_script(CLAIM)
-        self._renew = client.register_script(RENEW)
-        self._complete = client.register_script(COMPLETE)
-        self._release = client.register_script(RELEASE)
+        self.register(client)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX) -> AsyncRedisStore:
-        return cls(redis.asyncio.Redis.from_url(url), prefix)
+        text(prefix, "AsyncRedisStore.from_url(prefix)")
+        where = "AsyncRedisStore.from_url(url)"
+        return cls(redis.asyncio.Redis.from_url(_url(url, where)), prefix)
 
     async def claim(self, scope: str, key: str, fingerprint: str, lease: timedelta) -> ClaimResult:
         name = self.name(scope, key)
@@ -199,17 +204,13 @@ class AsyncRedisStore(_Records):
         return self.claimed(token, await self._claim(keys=[name], args=args), name)
 
     async def renew(self, scope: str, key: str, token: str, lease: timedelta) -> bool:
-        args: list[str | int] = [self.check_token(token), _milliseconds(lease, "lease")]
+        args = [self.check_token(token), _milliseconds(lease, "lease")]
         return bool(await self._renew(keys=[self.name(scope, key)], args=args))
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse, expiry: timedelta
     ) -> bool:
-        args: list[str | int | bytes] = [
-            self.check_token(token),
-            _milliseconds(expiry, "expiry"),
-            response.to_bytes(),
-        ]
+        args = self.complete_args(token, expiry, response)
         return bool(await self._complete(keys=[self.name(scope, key)], args=args))
 
     async def release(self, scope: str, key: str, token: str) -> None:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,14 +20,20 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import TextualSelect
 
-from ..db import dialects, sqlite
+from ..db import dialects, mysql_errors, sqlite
 from ..errors import ConsumerDedupError
 from . import sql_pipeline
-from .sql_statements import IN_FLIGHT, KeyStatements, Step, lock_wait
+from .sql_statements import IN_FLIGHT, KeyStatements, Step, lock_wait, mysql_lock_wait
 from .store import ClaimResult
 from .stored import StoredResponse
 
 WHAT = "the idempotency-key store"
+DEADLOCK_ATTEMPTS = range(1, 6)
+"""MySQL, MariaDB: a claim chosen as a deadlock's victim runs again, up to this many times.
+Twins waiting on a claim whose transaction rolls back each hold a lock on the gap the row
+left, and each one's insert waits on the others': InnoDB rolls all but one back (1213),
+whole transactions. The claim is its transaction's first statement, so nothing else is
+lost; run again, it waits on the twin that won and replays its response."""
 
 
 Steps = Generator[Step, Sequence[Any], ClaimResult]
@@ -41,17 +47,31 @@ def advance(steps: Steps, rows: Sequence[Any] | None) -> Step | ClaimResult:
         return stop.value  # type: ignore[no-any-return]
 
 
+def rows_of(result: Any) -> Sequence[Any]:
+    """A step's rows; for a statement that returns none (MySQL has no RETURNING), one
+    placeholder per row it matched, so "any rows" still means "it took the record"."""
+    if result.returns_rows:
+        return list(result.all())
+    return [None] * max(int(result.rowcount), 0)
+
+
+def again_after(error: Exception, attempt: int) -> None:
+    """Return if ``error`` is a deadlock (1213) and attempts are left; else raise it."""
+    if mysql_errors.errno(error) != mysql_errors.DEADLOCK or attempt >= DEADLOCK_ATTEMPTS[-1]:
+        raise error
+
+
 def drive_sync(conn: Connection, steps: Steps) -> ClaimResult:
     step = advance(steps, None)
     while isinstance(step, tuple):
-        step = advance(steps, conn.execute(*step).all())
+        step = advance(steps, rows_of(conn.execute(*step)))
     return step
 
 
 async def drive_async(conn: AsyncConnection | AsyncSession, steps: Steps) -> ClaimResult:
     step = advance(steps, None)
     while isinstance(step, tuple):
-        step = advance(steps, (await conn.execute(*step)).all())
+        step = advance(steps, rows_of(await conn.execute(*step)))
     return step
 
 
@@ -99,6 +119,7 @@ def claim_in(
     """The transactional claim on a blocking Session (the async store runs it in one
     run_sync: the connection, the check and the statement in one greenlet switch)."""
     pipelined = sql_pipeline.take(session) if statements.dialect == "postgresql" else None
+    fresh = not session.in_transaction()  # the claim opens the request's transaction
     conn = pipelined if pipelined is not None else session.connection()
     pg_wait = wait if conn.dialect.name == "postgresql" else None
     steps = statements.claim_steps(scope, key, fingerprint, now, lease, pg_wait)
@@ -120,7 +141,51 @@ def claim_in(
         begin_waiting(conn, wait)
     else:
         begin(conn)
+    if statements.mysql:
+
+        def make_steps() -> Steps:
+            return statements.claim_steps(scope, key, fingerprint, now, lease)
+
+        return _claim_mysql(session, conn, make_steps, wait, fresh)
     return drive_sync(conn, steps)
+
+
+def _claim_mysql(
+    session: Session,
+    conn: Connection,
+    make_steps: Callable[[], Steps],
+    wait: timedelta,
+    fresh: bool,
+) -> ClaimResult:
+    """A deadlock victim's claim runs again (DEADLOCK_ATTEMPTS) when the claim opened its
+    transaction (``fresh``): InnoDB rolled back the whole transaction, and anything the
+    session wrote before the claim would be lost in silence, so then the error stays."""
+    for attempt in DEADLOCK_ATTEMPTS:
+        try:
+            return _drive_waiting(conn, make_steps(), wait)
+        except Exception as error:
+            if not fresh:
+                raise
+            again_after(error, attempt)
+        session.rollback()
+        conn = session.connection()
+        begin(conn)
+    raise AssertionError("unreachable: the last attempt raises")
+
+
+def _drive_waiting(conn: Connection, steps: Steps, wait: timedelta) -> ClaimResult:
+    """MySQL, MariaDB: the claim waits on a twin's row lock at most ``wait`` (in whole
+    seconds: innodb_lock_wait_timeout, set for the claim and restored after it, so the
+    endpoint's own statements keep the session's). A timeout (1205) undoes the statement
+    alone; the caller answers InFlight."""
+    mariadb = bool(getattr(conn.dialect, "is_mariadb", False))
+    previous = conn.exec_driver_sql("SELECT @@SESSION.innodb_lock_wait_timeout").scalar_one()
+    seconds = mysql_lock_wait(wait, mariadb)
+    conn.exec_driver_sql(f"SET SESSION innodb_lock_wait_timeout = {seconds}")
+    try:
+        return drive_sync(conn, steps)
+    finally:
+        conn.exec_driver_sql(f"SET SESSION innodb_lock_wait_timeout = {int(previous)}")
 
 
 def complete_in(

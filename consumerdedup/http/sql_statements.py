@@ -9,13 +9,14 @@ statements are in sql_postgres.py.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Generator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, bindparam, delete, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.elements import TextClause
 
@@ -54,10 +55,23 @@ class KeyStatements:
         t = self.table = tables.idempotency_keys
         where_key = and_(t.c.scope == bindparam("b_scope"), t.c.key == bindparam("b_key"))
         mine = and_(where_key, t.c.token == bindparam("b_token"), t.c.state == IN_FLIGHT)
-        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        self.insert = (
-            insert(t).on_conflict_do_nothing(index_elements=[t.c.scope, t.c.key]).returning(t.c.key)
-        )
+        self.mysql = dialect in ("mysql", "mariadb")
+        if self.mysql:
+            # No ON CONFLICT DO NOTHING, no RETURNING; never INSERT IGNORE (it turns every
+            # error into a warning). A duplicate's no-op UPDATE takes the row's exclusive lock
+            # at once (a plain INSERT's duplicate-key error takes a shared one, and two twins
+            # upgrading theirs deadlock), and whose row it is is read back by its token: the
+            # row count cannot say (SQLAlchemy's MySQL dialects set CLIENT.FOUND_ROWS, so a
+            # no-op update counts 1, as an insert does).
+            upsert = mysql.insert(t)
+            self.insert: Executable = upsert.on_duplicate_key_update(scope=upsert.inserted.scope)
+        else:
+            insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+            self.insert = (
+                insert(t)
+                .on_conflict_do_nothing(index_elements=[t.c.scope, t.c.key])
+                .returning(t.c.key)
+            )
         now: Any = bindparam("b_now")
         # Free to take: a record past its expiry (a new request, whatever its body), or an
         # in-flight claim whose lease ran out (its worker died) for the same request.
@@ -85,10 +99,18 @@ class KeyStatements:
                 created_at=now,
                 expires_at=None,
             )
-            .returning(t.c.key)
         )
+        if not self.mysql:  # MySQL: the row count says (CLIENT.FOUND_ROWS: rows matched)
+            self.reclaim = self.reclaim.returning(t.c.key)
         self.read = select(
-            t.c.fingerprint, t.c.state, t.c.locked_until, t.c.status, t.c.headers, t.c.body
+            t.c.fingerprint,
+            t.c.state,
+            t.c.locked_until,
+            t.c.status,
+            t.c.headers,
+            t.c.body,
+            t.c.expires_at,
+            t.c.token,
         ).where(where_key)
         finish: dict[str, Any] = {
             "state": bindparam("b_state"),
@@ -137,6 +159,8 @@ class KeyStatements:
         row: dict[str, Any] = {"scope": scope, "key": key, "fingerprint": fingerprint}
         row["state"] = IN_FLIGHT
         row |= {"token": token, "locked_until": locked_until, "created_at": now}
+        if self.mysql:
+            return (yield from self._mysql_claim(row, params, fingerprint, now))
         insert: Executable = self.insert
         again: Executable = self.insert
         reclaim: Executable = self.reclaim
@@ -175,6 +199,25 @@ class KeyStatements:
             if found:
                 return judge(found[0], fingerprint, now)
         return InFlight(1.0)
+
+    def _mysql_claim(
+        self, row: dict[str, Any], params: dict[str, Any], fingerprint: str, now: datetime
+    ) -> Generator[Step, Sequence[Any], ClaimResult]:
+        """MySQL, MariaDB: the claim row inserted, or the record there locked exclusively
+        (a twin in its open transaction makes this wait, up to the lock wait timeout), then
+        read: our token means ours; a free record (expired, or a lapsed lease of this
+        request) is taken over under that lock; anything else is judged."""
+        yield self.insert, row
+        # A locking read: the latest version whatever the snapshot (the lock is ours already).
+        found = yield self.read.with_for_update(), {"b_scope": row["scope"], "b_key": row["key"]}
+        if not found:  # cannot be: the row is locked by us; fail closed, as a twin
+            return InFlight(1.0)
+        record = found[0]
+        if record.token == row["token"]:
+            return Claimed(row["token"])
+        if _free(record, fingerprint, now) and (yield self.reclaim, params):
+            return Claimed(row["token"])
+        return judge(record, fingerprint, now)
 
     def finish_params(
         self, scope: str, key: str, response: StoredResponse, expires_at: datetime
@@ -218,15 +261,28 @@ def judge(row: Any, fingerprint: str, now: datetime) -> ClaimResult:
     return Completed(StoredResponse(int(row.status), headers, bytes(row.body or b"")))
 
 
+def mysql_lock_wait(wait: timedelta, mariadb: bool) -> int:
+    """innodb_lock_wait_timeout for a transactional claim: whole seconds, rounded up (MySQL
+    has no finer one); 0 (no wait) on MariaDB, at least 1 on MySQL, which refuses 0."""
+    return max(0 if mariadb else 1, math.ceil(wait.total_seconds()))
+
+
 def lock_wait(wait: timedelta) -> str:
     """PostgreSQL lock_timeout for a transactional claim: 0 would mean forever, so at least 1 ms."""
     return f"{max(1, round(wait.total_seconds() * 1000))}ms"
 
 
 def is_lock_timeout(error: BaseException) -> bool:
-    """The twin's claim waited past its budget: PostgreSQL 55P03, SQLite's busy timeout."""
+    """The twin's claim waited past its budget: PostgreSQL 55P03, SQLite's busy timeout,
+    MySQL's and MariaDB's lock wait timeout (1205; NOWAIT's 3572 on MySQL)."""
     orig = getattr(error, "orig", error)
     if getattr(orig, "sqlstate", None) == "55P03":
+        return True
+    code = orig.args[0] if isinstance(orig, Exception) and orig.args else None
+    if type(orig).__module__.startswith(("pymysql", "aiomysql", "asyncmy")) and code in (
+        1205,
+        3572,
+    ):
         return True
     return getattr(orig, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED") or (
         "database is locked" in str(orig)

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from ..db import dialects
-from ..errors import ConfigurationError
+from ..options import function, instance, refuse
 from ..schema import DEFAULT, Tables, utcnow
 from . import sql_session
 from .sql_session import WHAT, ClaimLost
@@ -33,11 +33,12 @@ class SqlStore:
 
     def __init__(self, engine: Engine, tables: Tables = DEFAULT, *, clock: Clock = utcnow) -> None:
         if not isinstance(engine, Engine):
-            raise ConfigurationError(f"{WHAT}: expected a SQLAlchemy Engine, not {engine!r}")
+            raise refuse("SqlStore.engine", engine, "a SQLAlchemy Engine (AsyncSqlStore takes "
+                         "an AsyncEngine)")  # fmt: skip
         dialects.require_transactional(engine, WHAT)
         self.engine = engine
-        self.tables = tables
-        self.clock = clock
+        self.tables = instance(tables, "SqlStore.tables", Tables, "a Tables (Tables.define(...))")
+        self.clock: Clock = function(clock, "SqlStore.clock", "a callable() -> aware datetime")
         self.statements = KeyStatements(tables, engine.dialect.name)
         # PostgreSQL: every write of a claim committed apart is one atomic statement, so it
         # runs in autocommit (no BEGIN and COMMIT round trips); SQLite keeps BEGIN IMMEDIATE.
@@ -50,11 +51,16 @@ class SqlStore:
             with self.autocommit.connect() as conn:
                 steps = self.statements.claim_steps(scope, key, fingerprint, now, lease, alone=True)
                 return sql_session.drive_sync(conn, steps)
-        with self.engine.connect() as conn, conn.begin():
-            sql_session.begin(conn)
-            return sql_session.drive_sync(
-                conn, self.statements.claim_steps(scope, key, fingerprint, now, lease)
-            )
+        for attempt in sql_session.DEADLOCK_ATTEMPTS:
+            try:
+                with self.engine.connect() as conn, conn.begin():
+                    sql_session.begin(conn)
+                    return sql_session.drive_sync(
+                        conn, self.statements.claim_steps(scope, key, fingerprint, now, lease)
+                    )
+            except Exception as error:  # the claim's own transaction: safe to run again
+                sql_session.again_after(error, attempt)
+        raise AssertionError("unreachable: the last attempt raises")
 
     def renew(self, scope: str, key: str, token: str, lease: timedelta) -> bool:
         params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_token": token}
@@ -113,11 +119,13 @@ class AsyncSqlStore:
         self, engine: AsyncEngine, tables: Tables = DEFAULT, *, clock: Clock = utcnow
     ) -> None:
         if not isinstance(engine, AsyncEngine):
-            raise ConfigurationError(f"{WHAT}: expected a SQLAlchemy AsyncEngine, not {engine!r}")
+            raise refuse("AsyncSqlStore.engine", engine, "a SQLAlchemy AsyncEngine (SqlStore "
+                         "takes an Engine)")  # fmt: skip
         dialects.require_transactional(engine.sync_engine, WHAT)
         self.engine = engine
-        self.tables = tables
-        self.clock = clock
+        where = "AsyncSqlStore."
+        self.tables = instance(tables, where + "tables", Tables, "a Tables (Tables.define(...))")
+        self.clock: Clock = function(clock, where + "clock", "a callable() -> aware datetime")
         self.statements = KeyStatements(tables, engine.dialect.name)
         self.alone = engine.dialect.name == "postgresql"  # as SqlStore
         self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -128,10 +136,15 @@ class AsyncSqlStore:
             async with self.autocommit.connect() as conn:
                 steps = self.statements.claim_steps(scope, key, fingerprint, now, lease, alone=True)
                 return await sql_session.drive_async(conn, steps)
-        async with self.engine.connect() as conn, conn.begin():
-            await conn.run_sync(sql_session.begin)
-            steps = self.statements.claim_steps(scope, key, fingerprint, now, lease)
-            return await sql_session.drive_async(conn, steps)
+        for attempt in sql_session.DEADLOCK_ATTEMPTS:
+            try:
+                async with self.engine.connect() as conn, conn.begin():
+                    await conn.run_sync(sql_session.begin)
+                    steps = self.statements.claim_steps(scope, key, fingerprint, now, lease)
+                    return await sql_session.drive_async(conn, steps)
+            except Exception as error:  # the claim's own transaction: safe to run again
+                sql_session.again_after(error, attempt)
+        raise AssertionError("unreachable: the last attempt raises")
 
     async def renew(self, scope: str, key: str, token: str, lease: timedelta) -> bool:
         params: dict[str, Any] = {"b_scope": scope, "b_key": key, "b_token": token}

@@ -21,11 +21,13 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from ..errors import ConfigurationError
+from ..options import refuse
 from ..schema import DEFAULT, Tables
 from . import flow
 from .exchange import (
     SESSION_KEY,  # the same key in the WSGI environ as in the ASGI scope
     ResolvedPolicy,
+    check_options,
     check_store,
 )
 from .policy import IdempotencyPolicy
@@ -59,16 +61,24 @@ class WSGIIdempotencyMiddleware:
         tables: Tables = DEFAULT,
         session_factory: Callable[[], Session] | None = None,
     ) -> None:
+        check_options(
+            "WSGIIdempotencyMiddleware", app, policy, routes, principal, tables, session_factory
+        )
         if engine is not None and not isinstance(engine, Engine):
-            raise ConfigurationError(
-                f"WSGIIdempotencyMiddleware: {engine!r} is not a blocking SQLAlchemy Engine "
-                "(a WSGI app runs in threads; give an AsyncEngine to the ASGI middleware)"
+            raise refuse(
+                "WSGIIdempotencyMiddleware.engine",
+                engine,
+                "a blocking SQLAlchemy Engine (a WSGI app runs in threads; give an AsyncEngine "
+                "to the ASGI middleware)",
             )
         self.app = app
         self.engine = engine
         self.sql_store = SqlStore(engine, tables) if engine is not None else None
         if store is None and self.sql_store is None:
-            raise ConfigurationError("WSGIIdempotencyMiddleware needs an engine or a store")
+            raise ConfigurationError(
+                "WSGIIdempotencyMiddleware needs an engine or a store (engine=, store=): the "
+                "records need a place"
+            )
         self.store: Any = store if store is not None else self.sql_store
         check_store(self.store, "WSGIIdempotencyMiddleware", blocking=True)
         self._policy = ResolvedPolicy(

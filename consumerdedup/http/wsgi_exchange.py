@@ -71,6 +71,7 @@ class Exchange:
         self.session: Session | None = None
         self.held: flow.Claim | None = None
         self.token = ""
+        self.claim_sent = 0.0
         self.response: HeldResponse | None = None
         self.allow_commit: Callable[[], None] | None = None
 
@@ -134,6 +135,7 @@ class Exchange:
 
     def claim(self, claim: flow.Claim) -> ClaimResult | flow.StoreFailed | flow.StoreBusy:
         args = (claim.scope, claim.key, claim.fingerprint)
+        self.claim_sent = exchange.LeaseWatch.now()
         if not claim.policy.transactional:
             try:
                 result: ClaimResult | flow.StoreFailed | flow.StoreBusy = self.owner.store.claim(
@@ -163,30 +165,40 @@ class Exchange:
             environ[exchange.SESSION_KEY] = self.session
             self.allow_commit = hold_commits(self.session)
         self.response = captured = HeldResponse(policy.max_stored_body)
-        renewer = None
-        if not policy.transactional:
+        renewer = watch = None
+        if not policy.transactional:  # a transactional claim is its transaction: no lease
             assert self.held is not None
             held = self.held
-            store = self.owner.store
-            renewer = LeaseRenewer(store, held.scope, held.key, self.token, policy.lease)
+            watch = exchange.LeaseWatch(policy.lease, self.claim_sent)
+            renewer = LeaseRenewer(
+                self.owner.store, held.scope, held.key, self.token, policy.lease, watch
+            )
         try:
             captured.collect(self.owner.app(environ, captured.start_response))
         except Exception as error:
             captured.error = error  # re-raised to the server once the claim is released
             captured.close()
-            return flow.Crashed(error)
+            return flow.Crashed(error, self.lapsed(renewer, watch))
         finally:
             if renewer is not None:
                 renewer.stop()  # the claim ends now: stored, not stored, or released
+        lapsed = self.lapsed(renewer, watch)
         if captured.status is None:
             captured.error = RuntimeError("the WSGI app returned without calling start_response")
             captured.close()
-            return flow.Crashed(captured.error)
+            return flow.Crashed(captured.error, lapsed)
         if captured.overflowed:
-            return flow.Overflowed(captured.status)
-        return flow.Finished(
-            StoredResponse.capture(captured.status, captured.headers, captured.body)
-        )
+            return flow.Overflowed(captured.status, lapsed)
+        response = StoredResponse.capture(captured.status, captured.headers, captured.body)
+        return flow.Finished(response, lapsed)
+
+    @staticmethod
+    def lapsed(renewer: LeaseRenewer | None, watch: exchange.LeaseWatch | None) -> bool:
+        """Whether the lease ran out during the run (read once the renewer has stopped)."""
+        if renewer is None or watch is None:
+            return False
+        renewer.stop()  # idempotent: joined, so the watch is read after its last renewal
+        return watch.lapsed()
 
     def complete(
         self, scope: str, key: str, token: str, response: StoredResponse, expiry: Any

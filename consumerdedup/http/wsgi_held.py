@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from .exchange import LeaseWatch
+
 log = logging.getLogger("consumerdedup.http")
 READ_CHUNK = 64 * 1024
 
@@ -21,10 +23,13 @@ READ_CHUNK = 64 * 1024
 class LeaseRenewer:
     """Renews a claim every third of its lease until stop() (in a thread of its own)."""
 
-    def __init__(self, store: Any, scope: str, key: str, token: str, lease: timedelta) -> None:
+    def __init__(
+        self, store: Any, scope: str, key: str, token: str, lease: timedelta, watch: LeaseWatch
+    ) -> None:
         self.store = store
         self.claim = (scope, key, token)
         self.lease = lease
+        self.watch = watch  # told how each renewal went (read once stop() has joined)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.loop, name="idempotency-renew", daemon=True)
         self.thread.start()
@@ -32,11 +37,13 @@ class LeaseRenewer:
     def loop(self) -> None:
         scope, key, token = self.claim
         while not self.stopped.wait(self.lease.total_seconds() / 3):
+            sent = self.watch.now()
             try:
                 kept = self.store.renew(scope, key, token, self.lease)
             except Exception:
                 log.exception("idempotency lease renewal failed for %s", scope)
                 continue
+            self.watch.renewed(sent, bool(kept))
             if not kept:
                 log.warning("idempotency claim lost %s: its lease ran out", scope)
                 return

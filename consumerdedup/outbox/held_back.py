@@ -107,6 +107,8 @@ class HeldBackEvents:
 def hold_back(held: dict[Any, Any], session: Session, table: Table, row: dict[str, Any]) -> None:
     """Queue ``row`` for ``table`` in a transaction's open queue (``before_commit.queue``);
     ``session`` is the (blocking) session the handler adds it through."""
+    if before_commit.below(held):
+        raise ConfigurationError(before_commit.BELOW_MESSAGE)
     track = _track(held, session)
     events = held.setdefault(("outbox", table_sql(table)), HeldBackEvents(table))
     savepoint = session.get_nested_transaction()
@@ -131,6 +133,15 @@ class SavepointTrack:
         self.raw = False
         self.path_before: Any = None
         """The search_path read before a statement that may change it (None: no such)."""
+        self.sending: str | None = None
+        """The statement SQLAlchemy is sending (its listeners compare the path around it)."""
+
+    def path_may_change(self, queue: dict[Any, Any], sql: str) -> None:
+        """``sql`` may change search_path and reached the driver's cursor without SQLAlchemy
+        (the raw connection): the path cannot be compared around it, so with keyed rows of
+        an unqualified outbox held, the message goes again alone (fails closed)."""
+        if sql != self.sending and _unqualified_held(queue):
+            raise RetryLater(_SEARCH_PATH)
 
     def flush(self, session: Session) -> None:
         """Nothing to write (a queue entry, so it lives exactly as long as the queue)."""
@@ -189,6 +200,8 @@ def _search_path(connection: Connection) -> Any:
 
 def _statement_starts(connection: Connection, _cursor: Any, statement: str, *_: Any) -> None:
     tracked = _tracked(connection)
+    if tracked:
+        tracked[1].sending = statement
     if tracked and "SEARCH_PATH" in statement.upper() and _unqualified_held(tracked[0]):
         tracked[1].path_before = _search_path(connection)
 
@@ -205,6 +218,7 @@ def _statement_ran(
     if tracked is None:
         return
     queue, track = tracked
+    track.sending = None
     compiled = getattr(context, "compiled", None)
     clause = getattr(compiled, "statement", None)
     if isinstance(clause, SavepointClause):

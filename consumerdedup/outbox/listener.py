@@ -1,8 +1,11 @@
-"""How an idle relay waits: LISTEN on PostgreSQL (woken at commit), a plain pause elsewhere."""
+"""How an idle relay waits: LISTEN on PostgreSQL (woken at commit); on MySQL and MariaDB
+woken by commits in this process (wakeup.py), else polling with jitter; a plain pause on
+SQLite."""
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Any
 
@@ -12,11 +15,16 @@ from ..db.names import table_sql
 from ..lifecycle import StopSwitch
 from ..reasons import describe
 from ..schema import notify_channel_of
+from . import wakeup
+from .mysql import is_mysql
 
 logger = logging.getLogger("consumerdedup.relay")
 
 _SLICE = 0.25
 """Longest a wait goes without looking at the stop switch."""
+JITTER = 0.2
+"""MySQL: an idle relay's poll interval varies by this fraction either way, so relays
+started together do not scan the outbox in step."""
 _RESOLVE = "SELECT CAST(CAST(%s AS regclass) AS oid)"
 """The outbox's OID, however its name is spelled: what the trigger's channel is named by."""
 
@@ -36,15 +44,25 @@ class Listener:
         self.channels: list[str] = []
         self._conn: Any = None
         self._warned = False
+        self.mysql = is_mysql(engine.dialect.name)
+        self._seen = 0  # MySQL: the outbox's wake-up counter when this relay last looked
 
     def listen(self) -> None:
-        """LISTEN now (PostgreSQL), before the first look at the table; no-op elsewhere."""
+        """LISTEN now (PostgreSQL), before the first look at the table; on MySQL, note the
+        wake-up counter (a commit during the first round then ends the first wait)."""
+        if self.mysql:
+            self._seen = wakeup.current(self.table.fullname)
+            return
         self._connection()
 
     def wait(self, seconds: float, switch: StopSwitch) -> None:
         """Return on a notification, after ``seconds``, or soon after ``switch.stop()``."""
+        if self.mysql:
+            self._wait_woken(seconds * random.uniform(1 - JITTER, 1 + JITTER), switch)
+            return
         deadline = time.monotonic() + seconds
         while not switch.stopping and (left := deadline - time.monotonic()) > 0:
+            switch.tick()  # waiting for news is the relay's loop turning, for liveness
             conn = self._connection()
             if conn is None:
                 switch.pause(min(left, _SLICE))
@@ -56,6 +74,17 @@ class Listener:
                 logger.debug("relay listener lost its connection: %s", exc)
                 self.close()
                 switch.pause(min(left, _SLICE))
+
+    def _wait_woken(self, seconds: float, switch: StopSwitch) -> None:
+        """MySQL: until a commit of this process bumps the outbox's counter (or one did since
+        the last look), ``seconds`` pass, or ``switch.stop()``."""
+        name = self.table.fullname
+        deadline = time.monotonic() + seconds
+        while not switch.stopping and (left := deadline - time.monotonic()) > 0:
+            switch.tick()
+            if wakeup.wait(name, self._seen, min(left, _SLICE)):
+                break
+        self._seen = wakeup.current(name)
 
     def _connection(self) -> Any:
         if self.engine.dialect.name != "postgresql":

@@ -16,9 +16,12 @@ from sqlalchemy.orm import Session
 from ..db import before_commit, dialects, locks
 from ..errors import ConfigurationError, TransactionBroken
 from ..headers import ID_HEADER
+from ..options import instance
 from ..schema import DEFAULT, ID_LENGTH, Tables, utcnow
 from ..telemetry import hooks
+from . import wakeup
 from .held_back import hold_back
+from .mysql import KeyLocks, is_mysql
 
 _ADD = "Outbox.add"
 _clock = threading.Lock()
@@ -57,12 +60,17 @@ class Outbox:
     the raw DB-API connection), ``add`` raises TransactionBroken saying so: the
     pipeline's connection runs in driver autocommit for its pipelined BEGIN
     (db.pipelined_begin), so the autocommit check alone would blame the engine.
+
+    On MySQL and MariaDB ``add`` row-locks the key's bucket in the outbox's key-lock table
+    at once, until the transaction ends (outbox.mysql says why not GET_LOCK); and once the
+    Session commits, the relays of this process waiting on the outbox wake (outbox.wakeup).
     """
 
     def __init__(self, tables: Tables = DEFAULT) -> None:
-        self.tables = tables
+        self.tables = instance(tables, "Outbox.tables", Tables, "a Tables (Tables.define(...))")
         self._insert = insert(tables.outbox)
         self._lock = _key_lock(tables.outbox)
+        self._key_locks = KeyLocks(tables.outbox)
 
     @overload
     def add(
@@ -99,13 +107,22 @@ class Outbox:
         if held is not None:
             _require_pipeline_open(connection)
         dialects.require_transaction(connection, _ADD, driver=False)
-        if key is not None and _dialect(session) == "postgresql":
+        dialect = _dialect(session)
+        if key is not None and dialect == "postgresql":
             if held is not None:  # a pipeline transaction: locked in order before COMMIT
                 hold_back(held, session, self.tables.outbox, row)
                 return str(row["event_id"])
             session.execute(self._lock, {"key": key})
+        elif is_mysql(dialect):
+            if key is not None:
+                self._lock_bucket(session, key)
+            wakeup.after_commit(session, self.tables.outbox.fullname)
         session.execute(self._insert, row)
         return str(row["event_id"])
+
+    def _lock_bucket(self, session: Session, key: str) -> None:
+        wanted = self._key_locks.params([key])
+        self._key_locks.check(wanted, list(session.execute(self._key_locks.statement, wanted)))
 
     async def _add_async(self, session: AsyncSession, row: dict[str, Any]) -> str:
         connection = (await session.connection()).sync_connection
@@ -114,11 +131,18 @@ class Outbox:
         if held is not None:
             _require_pipeline_open(connection)
         dialects.require_transaction(connection, _ADD, driver=False)
-        if row["key"] is not None and session.get_bind().dialect.name == "postgresql":
+        dialect = session.get_bind().dialect.name
+        if row["key"] is not None and dialect == "postgresql":
             if held is not None:  # a pipeline transaction: locked in order before COMMIT
                 hold_back(held, session.sync_session, self.tables.outbox, row)
                 return str(row["event_id"])
             await session.execute(self._lock, {"key": row["key"]})
+        elif is_mysql(dialect):
+            if row["key"] is not None:
+                wanted = self._key_locks.params([row["key"]])
+                locked = list(await session.execute(self._key_locks.statement, wanted))
+                self._key_locks.check(wanted, locked)
+            wakeup.after_commit(session.sync_session, self.tables.outbox.fullname)
         await session.execute(self._insert, row)
         return str(row["event_id"])
 

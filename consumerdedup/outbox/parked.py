@@ -10,24 +10,23 @@ published, holding nothing back, kept as a record until the pruner's outbox cuto
 Both change parked rows only, and check that in their UPDATE (parked, not abandoned, not
 published), so of two operators acting on one event only the first changes it. Pages
 are in id order (the outbox's primary key, unique and stable); the cursor is opaque
-(base64url of the last row's id). For users who build their own admin page;
+(db.cursors: the last row's id, checked when read back). For users who build their own admin page;
 ``consumerdedup outbox ...`` is these functions on the command line.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, Row, Table, select, update
+from sqlalchemy import Engine, Row, Table, func, select, update
 
+from ..db import cursors
 from ..errors import ConfigurationError
-from ..schema import DEFAULT, Tables, utcnow
+from ..schema import DEFAULT, ID_LENGTH, Tables, utcnow
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 1000
@@ -111,16 +110,22 @@ def list_parked(
     abandoned: bool = False,
     limit: int = DEFAULT_LIMIT,
     after: str | None = None,
+    destination: str | None = None,
+    key: str | None = None,
     tables: Tables = DEFAULT,
 ) -> Page:
     """One page of parked events (with ``abandoned``: of abandoned ones) in id order, after
-    ``after`` (a cursor from an earlier page); no total count. ConfigurationError on a bad
-    limit or cursor."""
+    ``after`` (a cursor from an earlier page), of one ``destination`` and one ``key`` if
+    given; no total count. ConfigurationError on a bad limit or cursor."""
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
         raise ConfigurationError(f"limit must be an int in 1..{MAX_LIMIT}, got {limit!r}")
     ob = tables.outbox
     state = ob.c.abandoned_at.is_not(None) if abandoned else _parked(ob)
     query = _select(ob).where(ob.c.published_at.is_(None), state)
+    if destination is not None:
+        query = query.where(ob.c.destination == destination)
+    if key is not None:
+        query = query.where(ob.c.key == key)
     if after is not None:
         query = query.where(ob.c.id > decode(after))
     query = query.order_by(ob.c.id).limit(limit + 1)
@@ -176,21 +181,61 @@ def abandon(
     return _change(engine, tables, event_ids, values, dry_run)
 
 
+def backlog(engine: Engine, *, tables: Tables = DEFAULT) -> list[dict[str, Any]]:
+    """Per destination, what waits to go out: unpublished (parked included), parked, and
+    the oldest unpublished event's time; abandoned and published rows are not counted."""
+    ob = tables.outbox
+    waiting = ob.c.published_at.is_(None) & ob.c.abandoned_at.is_(None)
+    query = (
+        select(
+            ob.c.destination,
+            func.count(),
+            func.count(ob.c.parked_at),
+            func.min(ob.c.created_at),
+        )
+        .where(waiting)
+        .group_by(ob.c.destination)
+        .order_by(func.count().desc(), ob.c.destination)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [
+        {"destination": d, "unpublished": int(n), "parked": int(p), "oldest": _utc(at)}
+        for d, n, p, at in rows
+    ]
+
+
+def behind(
+    engine: Engine, event: OutboxEvent, *, limit: int = 20, tables: Tables = DEFAULT
+) -> tuple[int, list[OutboxEvent]]:
+    """What a parked keyed event holds back (its key's head-of-line block): how many
+    unpublished events of the same destination and key come after it, and the first
+    ``limit`` of them in id order. An event without a key holds nothing back."""
+    if event.key is None:
+        return 0, []
+    ob = tables.outbox
+    where = (
+        ob.c.destination == event.destination,
+        ob.c.key == event.key,
+        ob.c.id > event.id,
+        ob.c.published_at.is_(None),
+        ob.c.abandoned_at.is_(None),
+    )
+    with engine.connect() as conn:
+        total = conn.execute(select(func.count()).select_from(ob).where(*where)).scalar_one()
+        rows = conn.execute(_select(ob).where(*where).order_by(ob.c.id).limit(limit)).all()
+    return int(total), [_event(row) for row in rows]
+
+
 def encode(row_id: int) -> str:
-    raw = json.dumps([_CURSOR_TAG, row_id], separators=(",", ":"))
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+    return cursors.encode(_CURSOR_TAG, row_id)
 
 
 def decode(cursor: str) -> int:
-    """The row id a cursor stands for; ConfigurationError if it is not one of ours."""
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        tag, row_id = json.loads(raw)
-        if tag == _CURSOR_TAG and isinstance(row_id, int) and not isinstance(row_id, bool):
-            return row_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
-        pass
-    raise ConfigurationError("not a cursor from an earlier page of outbox events (--after)")
+    """The row id a cursor stands for; InvalidCursor (a ConfigurationError) if it is not
+    one of ours."""
+    (row_id,) = cursors.decode(cursor, _CURSOR_TAG, (int,), longest=ID_LENGTH)
+    return int(row_id)
 
 
 def _change(
@@ -207,10 +252,15 @@ def _change(
         for start in range(0, len(wanted), _CHUNK):
             where = (ob.c.event_id.in_(wanted[start : start + _CHUNK]), _parked(ob))
             if dry_run:
-                found = conn.execute(select(ob.c.event_id).where(*where)).scalars()
-            else:
+                found = list(conn.execute(select(ob.c.event_id).where(*where)).scalars())
+            elif conn.dialect.update_returning:
                 statement = update(ob).where(*where).values(**values).returning(ob.c.event_id)
-                found = conn.execute(statement).scalars()
+                found = list(conn.execute(statement).scalars())
+            else:  # MySQL, MariaDB: no UPDATE ... RETURNING; the rows locked, then changed
+                locked = select(ob.c.event_id).where(*where).with_for_update()
+                found = list(conn.execute(locked).scalars())
+                if found:
+                    conn.execute(update(ob).where(ob.c.event_id.in_(found)).values(**values))
             done.update(found)
     return [event_id for event_id in wanted if event_id in done]
 

@@ -2,7 +2,9 @@
 
 On PostgreSQL one round is one transaction: claim the rows this relay alone
 may publish (per-key advisory locks and SKIP LOCKED), publish them in id order
-waiting for each confirmation, mark them published, commit. On SQLite a write
+waiting for each confirmation, mark them published, commit. MySQL and MariaDB
+the same, with row locks alone (SKIP LOCKED, each key from its oldest row; see
+statements.py and mysql.py). On SQLite a write
 transaction locks the whole database, so the round never waits on the broker
 inside one: read the rows, publish them, then mark them in a short write
 transaction. Either way a crash after a confirmation and before the marks
@@ -24,11 +26,13 @@ from sqlalchemy import Engine
 from ..db import dialects, sqlite
 from ..errors import ConfigurationError
 from ..lifecycle import StopSwitch
+from ..options import instance, refuse
 from ..reasons import describe
 from ..schema import DEFAULT, Tables, utcnow
 from ..startup import require_startup
 from . import lock_space
 from .listener import Listener
+from .mysql import is_mysql, require_skip_locked
 from .publisher import AsyncPublisher, Publisher
 from .relay_config import RelayConfig
 from .rounds import RoundPublisher
@@ -38,6 +42,9 @@ from .statements import RelayStatements
 logger = logging.getLogger("consumerdedup.relay")
 
 __all__ = ["OutboxRelay", "RelayConfig"]
+
+_READ_COMMITTED = "READ COMMITTED"
+_ENGINE = "a sqlalchemy Engine (create_engine(...)); the relay blocks, run it in a thread"
 
 
 class OutboxRelay(StopSwitch):
@@ -59,9 +66,21 @@ class OutboxRelay(StopSwitch):
         config: RelayConfig | None = None,
     ) -> None:
         super().__init__()
+        instance(engine, "OutboxRelay.engine", Engine, _ENGINE)
+        # An instance: a Publisher class has publish too, and would fail at the first row.
+        if isinstance(publisher, type) or not callable(getattr(publisher, "publish", None)):
+            raise refuse("OutboxRelay.publisher", publisher, "a Publisher or an AsyncPublisher")
+        tables = instance(tables, "OutboxRelay.tables", Tables, "a Tables (Tables.define(...))")
+        config = (
+            config
+            if config is None
+            else instance(config, "OutboxRelay.config", RelayConfig, "a RelayConfig or None")
+        )
         dialects.require_transactional(engine, "OutboxRelay", driver=False)  # locks need one
         self.engine = engine
         self.postgres = engine.dialect.name == "postgresql"
+        self.mysql = is_mysql(engine.dialect.name)
+        self.locking = self.postgres or self.mysql  # a round is one transaction, locks held
         self.publisher = publisher
         self.sender = Sender(publisher)
         self.tables = tables
@@ -81,6 +100,9 @@ class OutboxRelay(StopSwitch):
         reachable, consumerdedup's own tables present, the rights to write them)."""
         if not self._checked:
             require_startup(self.engine, self.tables, [self.tables.outbox])
+            if self.mysql:
+                with self.engine.connect() as conn:
+                    require_skip_locked(conn, "OutboxRelay")
             self._checked = True
 
     def run_once(self) -> int:
@@ -93,13 +115,16 @@ class OutboxRelay(StopSwitch):
     def _round_on(self, conn: Any) -> int:
         """One round in a transaction of its own on ``conn``; the count published."""
         self._broker_trouble = False
-        if self.postgres:  # the key locks taken by the claim hold until the marks commit
+        if self.locking:  # the key or row locks taken by the claim hold until the marks commit
             # Before our level would turn the driver's own autocommit off: refused, as
             # for Outbox.add, not silently mended.
             dialects.require_transaction(conn, "OutboxRelay", driver=False)
             # The claim asks again after its locks, in a statement of its own: that needs
             # a snapshot per statement, whatever level the engine was made with.
-            conn.execution_options(isolation_level="READ COMMITTED")
+            if conn.get_execution_options().get("isolation_level") != _READ_COMMITTED:
+                # Once per connection: a drain's rounds share one, and MySQL's dialect sends
+                # SET SESSION and a COMMIT each time it is set.
+                conn.execution_options(isolation_level=_READ_COMMITTED)
             try:
                 with conn.begin():
                     dialects.require_transaction(conn, "OutboxRelay", driver=False)
@@ -134,7 +159,7 @@ class OutboxRelay(StopSwitch):
             return 0  # the broker is away: nothing is charged, the round backs off
         result = self.rounds.publish(rows)
         self._broker_trouble = result.broker_away
-        with nullcontext() if self.postgres else sqlite.transaction(conn):
+        with nullcontext() if self.locking else sqlite.transaction(conn):
             self.rounds.record(conn, result)
         return len(result.done)
 
@@ -155,7 +180,9 @@ class OutboxRelay(StopSwitch):
 
     def run(self) -> None:
         """Publish until stop(): rounds back to back while there is work, else wait for news."""
-        self._check_startup()  # a missing table or right stops it here, before LISTEN
+        # A missing table or right stops it here, before LISTEN; a database away is waited for.
+        if not self.start_checked(self._check_startup):
+            return
         listener = Listener(self.engine, self.tables.outbox, self.tables.notify_channel)
         failures = 0
         try:
@@ -163,7 +190,9 @@ class OutboxRelay(StopSwitch):
             # otherwise wake nobody, and wait the whole poll interval.
             listener.listen()
             self._open_publisher()  # a publisher that cannot start stops run() here
+            self._set_ready(True)
             while not self.stopping:
+                self.tick()
                 try:
                     count = self.run_once()
                 except ConfigurationError:
@@ -188,6 +217,7 @@ class OutboxRelay(StopSwitch):
                 if count < self.config.batch_size:
                     listener.wait(self.config.poll_interval.total_seconds(), self)
         finally:
+            self._set_ready(False)
             listener.close()
             self.close()
 

@@ -32,6 +32,7 @@ from sqlalchemy import (
 
 from ..db import direct, locks
 from ..schema import Tables
+from .mysql import is_mysql
 
 WINDOW = 4
 """Rows the second pass of a PostgreSQL claim scans, as a multiple of the batch size."""
@@ -82,6 +83,7 @@ class RelayStatements:
         psycopg (db.direct) where it can; without it they all go through SQLAlchemy."""
         self.table = ob = tables.outbox
         self.postgres = dialect == "postgresql"
+        self.mysql = is_mysql(dialect)
         # A key is held back from its oldest row that failed and cannot go now (backing
         # off, or parked): its events leave in the order they were added. Only rows
         # that failed before (attempts > 0) can hold a key back, and they are few. Parked
@@ -124,6 +126,33 @@ class RelayStatements:
         )
         rows = select(*columns).where(self._in_ids(), *may_go)
         self._rows = rows.order_by(ob.c.id)
+        if self.mysql:
+            # MySQL and MariaDB: no advisory locks. A round row-locks the scan's rows in id
+            # order, SKIP LOCKED, at most a batch of them; each key goes from its oldest row
+            # the scan found, and a key any of whose older rows the lock did not bring back
+            # (another relay holds it, or it changed since the scan) waits from there
+            # (_in_key_order). Another relay holding a key holds its oldest rows, which every
+            # scan finds first. The conditions are asked again of the locked rows (a locking
+            # read sees the latest version), but not the hold-back: a key can only become
+            # held back through an older row of it, which the scan found and the lock then
+            # did not bring back. No subquery: MySQL locks what a locking read's subqueries
+            # read too, and SKIP LOCKED would skip there.
+            self._rows = (
+                select(*columns)
+                .where(
+                    self._in_ids(),
+                    *live,
+                    ob.c.parked_at.is_(None),
+                    or_(ob.c.attempts == 0, ob.c.available_at <= bindparam("now")),
+                )
+                .order_by(ob.c.id)
+                .limit(bindparam("limit"))
+                .with_for_update(skip_locked=True)
+                # By the primary key alone: through a secondary index MariaDB locks the index
+                # entry, then waits (SKIP LOCKED or not) for the row another relay holds,
+                # and that relay's UPDATE waits for the entry: a deadlock (seen, 10.11).
+                .with_hint(ob, "FORCE INDEX (PRIMARY)")
+            )
         if self.postgres:
             self._rows = self._rows.with_for_update(skip_locked=True, of=ob)
             keys = (
@@ -198,12 +227,14 @@ class RelayStatements:
         self._failed = (
             update(ob)
             .where(ob.c.id == bindparam("row_id"))
-            .values(
-                attempts=ob.c.attempts + 1,
-                available_at=bindparam("available_at"),
-                last_error=bindparam("error"),
-                parked_at=case((parks, bindparam("now")), else_=ob.c.parked_at),
-                parked_reason=case((parks, bindparam("reason")), else_=ob.c.parked_reason),
+            # In this order: MySQL assigns left to right, each later expression seeing the
+            # columns already set, so attempts goes last (the park asks the count before it).
+            .ordered_values(
+                (ob.c.parked_at, case((parks, bindparam("now")), else_=ob.c.parked_at)),
+                (ob.c.parked_reason, case((parks, bindparam("reason")), else_=ob.c.parked_reason)),
+                (ob.c.available_at, bindparam("available_at")),
+                (ob.c.last_error, bindparam("error")),
+                (ob.c.attempts, ob.c.attempts + 1),
             )
         )
         self._backlog = select(func.count()).where(*live, ob.c.parked_at.is_(None))
@@ -246,6 +277,8 @@ class RelayStatements:
         the keys' hold-backs asked again; a relay alone is done then. When other relays
         hold some of those keys, a second pass scans ``WINDOW`` batches, so relays side by
         side take the next keys instead of going home empty."""
+        if self.mysql:
+            return self._claim_mysql(conn, now, limit)
         if self.postgres:
             rows = self._first_pass(conn, now, limit)
             if rows and len(rows) >= min(limit, rows[0].scanned):
@@ -260,6 +293,25 @@ class RelayStatements:
             return []
         ids = [row.id for row in candidates]
         rows = direct.rows(conn, self._rows_direct, {"ids": ids, "now": now})
+        return _in_key_order(candidates, rows)
+
+    def _claim_mysql(self, conn: Connection, now: datetime, limit: int) -> list[Any]:
+        """MySQL: scan ``WINDOW`` batches of rows that may go (no lock), row-lock up to a batch
+        of them in id order skipping those another transaction holds, keep each key's rows
+        up to its first gap. The round's transaction runs at READ COMMITTED (relay.py): each
+        statement sees the latest commits, and a row the lock looked at and left takes no
+        lock."""
+        for window in (1, WINDOW):
+            scanned = {"now": now, "limit": limit * window}
+            candidates = direct.rows(conn, self._candidates_direct, scanned)
+            if not candidates:
+                return []
+            ids = [row.id for row in candidates]
+            rows = direct.rows(conn, self._rows_direct, {"ids": ids, "now": now, "limit": limit})
+            if len(rows) >= min(limit, len(candidates)):
+                break  # a full batch, or every row the scan found: a relay alone stops here
+            # Other relays hold some of these rows: look further for keys nobody holds (the
+            # rows locked already are this transaction's, and come back again).
         return _in_key_order(candidates, rows)
 
     def _first_pass(self, conn: Connection, now: datetime, limit: int) -> list[Any]:

@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import TypedDict
 
 from .. import durations
-from ..errors import ConfigurationError
+from ..options import boolean, duration, integer, mapping, maybe, names, refuse, settle
 from .idempotency import EXPIRY
 from .windows import Keep, Window, check_window, plain, scoped
 
@@ -56,28 +56,32 @@ class PrunerConfig:
     """Derived: how old each consumer's records must be before they go (see windows.py)."""
 
     def __post_init__(self) -> None:
-        common = check_window(scoped(self.retention, self.consumers), "retention")
-        buffer = check_window(self.buffer, "buffer")
-        own = {
-            name: check_window(plain(window), f"window of consumer {_name(name)!r}")
-            for name, window in (self.windows or {}).items()
-        }
-        names = self.consumers
-        selected = None if names is None else tuple(sorted({_name(c) for c in names}))
-        size = self.batch_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigurationError(f"batch_size must be an int >= 1, not {size!r}")
-        pause = self.batch_pause
-        if not isinstance(pause, timedelta) or pause < timedelta(0):
-            raise ConfigurationError(f"batch_pause must be a timedelta >= 0, not {pause!r}")
-        check_window(self.outbox_keep, "outbox_keep")
-        if self.idempotency_keep is not None and self.idempotency_keep != EXPIRY:
-            check_window(self.idempotency_keep, f"idempotency_keep (or {EXPIRY!r}, or None)")
+        option = "PrunerConfig."
+        selected = maybe(self.consumers, option + "consumers", names)
         if selected is not None:
-            object.__setattr__(self, "consumers", selected)
-        if self.windows is not None:
-            object.__setattr__(self, "windows", dict(self.windows))  # the caller's may change
-        object.__setattr__(self, "keep", Keep.of(common, buffer, own, selected))
+            selected = tuple(sorted(set(selected)))
+        common = check_window(scoped(self.retention, selected), option + "retention")
+        buffer = check_window(self.buffer, option + "buffer", none="for the default buffer")
+        windows = maybe(self.windows, option + "windows", mapping)
+        own = {
+            name: check_window(plain(window), f"{option}windows[{name!r}]")
+            for name, window in (windows or {}).items()
+        }
+        settle(self, "batch_size", integer(self.batch_size, option + "batch_size", at_least=1))
+        settle(self, "batch_pause", duration(self.batch_pause, option + "batch_pause", zero=True))
+        check_window(self.outbox_keep, option + "outbox_keep", none="to leave the outbox alone")
+        keys = self.idempotency_keep
+        if isinstance(keys, str) or not (keys is None or isinstance(keys, timedelta)):
+            if keys != EXPIRY:
+                raise refuse(option + "idempotency_keep", keys, f"a timedelta, {EXPIRY!r} or None")
+        else:
+            check_window(keys, option + "idempotency_keep", none="to leave that table alone")
+        settle(self, "dry_run", boolean(self.dry_run, option + "dry_run"))
+        if selected is not None:
+            settle(self, "consumers", selected)
+        if windows is not None:
+            settle(self, "windows", windows)  # a copy: the caller's may change
+        settle(self, "keep", Keep.of(common, buffer, own, selected))
 
     def describe(self) -> str:
         """What a round deletes, in one line: each consumer's keep, then the other tables."""
@@ -112,9 +116,3 @@ class PrunerSettings(TypedDict, total=False):
 
 def _render(value: timedelta | None) -> str:
     return "forever" if value is None else durations.render(value)
-
-
-def _name(name: object) -> str:
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"a consumer name must be a non-empty str, not {name!r}")
-    return name

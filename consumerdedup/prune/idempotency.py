@@ -9,7 +9,8 @@ requests with one key must never run at once); one whose lease ran out (its work
 died and no retry came) goes once it is older than ``keep``, or than
 ABANDONED_KEEP when records keep their own expiry.
 
-Each batch deletes at most ``limit`` rows by physical address (ctid, rowid), the rows
+Each batch deletes at most ``limit`` rows by physical address (ctid, rowid; MySQL and
+MariaDB: ``DELETE ... LIMIT``), the rows
 chosen with the time bound bound as a parameter, so no statement holds a long lock.
 """
 
@@ -76,6 +77,9 @@ class KeyPruneStatements:
         )
 
         def delete(condition: str) -> Any:
+            if dialect in ("mysql", "mariadb"):  # no ctid; no subquery on the deleted table
+                sql = f"DELETE FROM {name} WHERE {condition} LIMIT :limit"
+                return text(sql).bindparams(*[b for b in binds if f":{b.key}" in sql])
             page = f"SELECT {'ctid' if self.postgres else 'rowid'} FROM {name} WHERE {condition}"
             page += " LIMIT :limit"
             chosen = f"ctid = ANY(ARRAY({page}))" if self.postgres else f"rowid IN ({page})"

@@ -10,7 +10,10 @@ older than ``idempotency_keep`` (see prune/idempotency.py); a claim in flight
 never goes while its lease holds. Each batch (``batch_size`` rows) is its own
 short transaction. On PostgreSQL one pruner works at a time per table (a
 session advisory lock held for the round; the others skip the round and say
-so); on SQLite the database's write lock serializes the batches instead.
+so); on SQLite the database's write lock serializes the batches instead; on
+MySQL and MariaDB pruners may run side by side (no advisory lock: GET_LOCK is
+session-scoped and node-local on Galera), each batch row-locking the rows it
+deletes, so two pruners delete each row once.
 
 The parts: what to delete is a PrunerConfig (config.py) and, per round, a
 Round (rounds.py) with the cutoffs of windows.py; the PartitionDropper
@@ -35,6 +38,7 @@ from sqlalchemy import Connection, Engine
 from ..db.dialects import require_fixed_schema, require_supported
 from ..errors import ConfigurationError
 from ..lifecycle import StopSwitch
+from ..options import function, instance, maybe
 from ..schema import DEFAULT, Tables, utcnow
 from .config import DEFAULT_BATCH, DEFAULT_OUTBOX_KEEP, PrunerConfig, PrunerSettings
 from .dropper import PartitionDropper
@@ -97,6 +101,11 @@ class Pruner(StopSwitch):
         **settings: Unpack[PrunerSettings],
     ) -> None:
         super().__init__()
+        instance(engine, "Pruner.engine", Engine, "a sqlalchemy Engine (create_engine(...))")
+        config = maybe(config, "Pruner.config", instance, PrunerConfig, "a PrunerConfig or None")
+        tables = instance(tables, "Pruner.tables", Tables, "a Tables (Tables.define(...))")
+        maybe(progress, "Pruner.progress", function, blocking=True)
+        function(clock, "Pruner.clock", "a callable returning an aware datetime", blocking=True)
         require_supported(engine.dialect.name)
         require_fixed_schema(engine.get_execution_options(), "Pruner")
         if config is None:
@@ -112,6 +121,7 @@ class Pruner(StopSwitch):
         self.tables = tables
         self.clock = clock
         self.postgres = engine.dialect.name == "postgresql"
+        self.mysql = engine.dialect.name in ("mysql", "mariadb")
         self.pace = Pace(self, config.batch_pause, progress)
         keep = config.keep
         self.statements = PruneStatements(
@@ -142,6 +152,8 @@ class Pruner(StopSwitch):
         started = time.monotonic()
         state = Round.at(self._now(), self.config, started)
         with self.engine.connect() as conn:
+            if self.mysql:  # a batch's locking read takes no gap locks (claims insert freely)
+                conn.execution_options(isolation_level="READ COMMITTED")
             if self.config.dry_run:
                 report = self._count(conn, state)
             elif self.postgres and not self._lock(conn):
@@ -169,7 +181,11 @@ class Pruner(StopSwitch):
         A failed round (the database away) is logged and tried again with a
         growing delay, never longer than ``every`` (see schedule.py).
         """
-        return run_every(self, self.run_once, every, on_report=on_report, busy_retry=busy_retry)
+        self._set_ready(True)
+        try:
+            return run_every(self, self.run_once, every, on_report=on_report, busy_retry=busy_retry)
+        finally:
+            self._set_ready(False)
 
     def check_consumers(self) -> None:
         """Raise UnknownConsumer if a consumer named in ``consumers`` or ``windows`` has no records.

@@ -68,6 +68,7 @@ class Pace:
         return self.switch.stopping
 
     def tell(self, table: str, deleted: int, state: Round) -> None:
+        self.switch.tick()  # a long round is the pruner's loop turning, batch by batch
         elapsed = time.monotonic() - state.started
         logger.debug("pruning %s: %d rows deleted in %.1fs", table, deleted, elapsed)
         if self.progress is not None:

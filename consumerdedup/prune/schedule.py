@@ -45,6 +45,7 @@ def run_every(
     backoff = Backoff(min(FAILED_ROUND_FIRST, longest), longest, jitter=False)
     total = failures = 0
     while not switch.stopping:
+        switch.tick()
         started = time.monotonic()
         try:
             report = round_once()

@@ -2,7 +2,9 @@
 
 A batch takes the oldest expired rows in processed_at order (the index the
 table has for this), deletes them by physical address (ctid on PostgreSQL,
-rowid on SQLite) and reports the newest processed_at it deleted. The next
+rowid on SQLite; on MySQL and MariaDB a ``DELETE ... ORDER BY ... LIMIT`` of the
+rows a locking read of the same order just took) and reports the newest
+processed_at it deleted. The next
 batch starts from there, so rows a longer window protects are read once per
 round, not once per batch. Every selected row is deletable, so a batch either
 deletes something or ends the round: no loop can stall on protected rows.
@@ -59,6 +61,7 @@ class PruneStatements:
 
     def __init__(self, tables: Tables, dialect: str, named: Sequence[str], others: bool) -> None:
         self.postgres = dialect == "postgresql"
+        self.mysql = dialect in ("mysql", "mariadb")
         self.named = list(named)
         self.others = others
         pe, ob = tables.processed_events, tables.outbox
@@ -93,6 +96,20 @@ class PruneStatements:
                 n=Integer(),
                 last=stamp,
             )
+        elif self.mysql:
+            # No ctid, no DML in WITH, no LIMIT in an IN subquery, no RETURNING on MariaDB's
+            # DELETE before 10.5 nor MySQL's: the batch's rows are read and row-locked in the
+            # index's order (the primary key breaks ties, so the order is total), counted
+            # here, then deleted by the same ORDER BY and LIMIT: the same rows.
+            order = f"WHERE {expired} AND processed_at >= :lower ORDER BY processed_at, " + (
+                "consumer, message_id LIMIT :limit"
+            )
+            self._batch = self._text(
+                f"SELECT consumer, processed_at FROM {pe_name} {order} FOR UPDATE",
+                consumer=String(),
+                processed_at=stamp,
+            )
+            self._batch_delete = self._text(f"DELETE FROM {pe_name} {order}")
         else:  # SQLite has no DML in WITH: the rows come back and are counted here
             self._batch = self._text(
                 f"DELETE FROM {pe_name} WHERE rowid IN (SELECT rowid FROM {pe_name} "
@@ -105,6 +122,8 @@ class PruneStatements:
         published = "published_at IS NOT NULL AND published_at < :outbox_cutoff"
         page = f"SELECT id FROM {ob_name} WHERE {published} ORDER BY published_at LIMIT :limit"
         ids = f"id = ANY(ARRAY({page}))" if self.postgres else f"id IN ({page})"
+        if self.mysql:  # it refuses a subquery on the table a DELETE deletes from
+            ids = f"{published} ORDER BY published_at LIMIT :limit"
         outbox_cutoff = bindparam("outbox_cutoff", type_=stamp)
         self._outbox_delete = text(f"DELETE FROM {ob_name} WHERE {ids}").bindparams(outbox_cutoff)
         self._outbox_count = text(f"SELECT count(*) FROM {ob_name} WHERE {published}").bindparams(
@@ -115,6 +134,8 @@ class PruneStatements:
         gone = "published_at IS NULL AND abandoned_at < :outbox_cutoff"
         page = f"SELECT id FROM {ob_name} WHERE {gone} ORDER BY id LIMIT :limit"
         ids = f"id = ANY(ARRAY({page}))" if self.postgres else f"id IN ({page})"
+        if self.mysql:
+            ids = f"{gone} ORDER BY id LIMIT :limit"
         self._abandoned_delete = text(f"DELETE FROM {ob_name} WHERE {ids}").bindparams(
             outbox_cutoff
         )
@@ -156,6 +177,8 @@ class PruneStatements:
 
     def delete_batch(self, conn: Connection, params: Mapping[str, Any], limit: int) -> Batch:
         rows = conn.execute(self._batch, {**params, "limit": limit}).all()
+        if self.mysql and rows:
+            conn.execute(self._batch_delete, {**params, "limit": limit})
         deleted: Counter[str] = Counter()
         last: datetime | None = None
         if self.postgres:

@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 
 from .. import durations
 from ..errors import ConfigurationError, ConsumerDedupError
+from ..options import duration, refuse
 
 LONGEST = timedelta(days=36500)
 """Windows beyond a century are "forever" in disguise: say None instead."""
@@ -35,19 +36,18 @@ class RetentionUnknown(ConsumerDedupError):
     """The broker does not say how long it keeps messages: the window must be given explicitly."""
 
 
-def check_window(value: object, what: str, *, allow_none: bool = True) -> timedelta | None:
-    """``value`` if it is a usable window (a positive timedelta, or None for forever)."""
+def check_window(
+    value: object, what: str, *, allow_none: bool = True, none: str = "to keep records forever"
+) -> timedelta | None:
+    """``value`` if it is a usable window (a positive timedelta, or None: ``none`` says what
+    None means for this option)."""
     if value is None and allow_none:
         return None
-    if not isinstance(value, timedelta):
-        forever = " (None keeps records forever)" if allow_none else ""
-        raise ConfigurationError(f"{what} must be a datetime.timedelta{forever}, not {value!r}")
-    if value <= timedelta(0):
-        raise ConfigurationError(f"{what} must be positive, not {durations.render(value)}")
-    if value > LONGEST:
+    note = f"or None {none}" if allow_none else ""
+    if isinstance(value, timedelta) and value > LONGEST:
         hint = "pass None to keep records forever" if allow_none else "it must be finite"
-        raise ConfigurationError(f"{what} of over a century is not a window: {hint}")
-    return value
+        raise refuse(what, value, f"a window of at most a century ({hint})")
+    return duration(value, what, note=note)
 
 
 def default_buffer(retention: timedelta) -> timedelta:

@@ -15,9 +15,13 @@ from ..db import catalog, dialects, sqlite
 from ..db.names import table_sql
 from ..db.partitions import AHEAD, DayPartitions
 from ..errors import ConfigurationError
+from ..options import instance
 from .columns import utcnow
+from .mysql_outbox import install_outbox_extras
 from .notify import AFTER_INSERT_FOR_EACH_STATEMENT, NOTIFY_BODY
 from .tables import DEFAULT, SCHEMA_VERSION, Tables
+
+_BIND = "a sqlalchemy Engine or Connection (with asyncio: await conn.run_sync(install))"
 
 
 def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
@@ -36,21 +40,36 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
     Given a Connection (``await conn.run_sync(install)`` with asyncio), it runs
     inside that connection's transaction.
     """
+    instance(bind, "install(bind)", (Engine, Connection), _BIND)
+    instance(tables, "install(tables)", Tables, "a Tables (Tables.define(...))")
     if isinstance(bind, Engine):
+        if dialects.is_mysql(bind.dialect):
+            with bind.connect() as conn:
+                install(conn, tables)
+            return
         with bind.begin() as conn:
             install(conn, tables)
         return
     dialects.require_fixed_schema(bind.get_execution_options(), "install")
+    if dialects.is_mysql(bind.dialect):
+        _install_mysql(bind, tables)
+        return
     _one_install_at_a_time(bind)
+    _install(bind, tables)
+
+
+def _install(bind: Connection, tables: Tables) -> None:
     postgres = bind.dialect.name == "postgresql"
     if tables.partitioned and not postgres:
         raise ConfigurationError(
             f"a partitioned processed_events needs PostgreSQL, not {bind.dialect.name}"
         )
-    if postgres:
-        for schema in sorted({t.schema for t in tables.owned if t.schema}):
-            if not catalog.schema_exists(bind, schema):
-                bind.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+    for schema in sorted({t.schema for t in tables.owned if t.schema}):
+        if postgres and not catalog.schema_exists(bind, schema):
+            bind.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+        elif dialects.is_mysql(bind.dialect) and not catalog.mysql_database_exists(bind, schema):
+            # A MySQL schema is a database: made as PostgreSQL's schema is, in utf8mb4.
+            bind.execute(text(_create_database_sql(schema)))
     present = catalog.existing(bind, tables.owned)
     pe = tables.processed_events
     if tables.partitioned and pe.fullname in present and not DayPartitions(pe).is_partitioned(bind):
@@ -74,7 +93,7 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
         for index in catalog.missing_indexes(bind, table):
             with catalog.bounded(bind, table, f"create its index {index.name}"):
                 # Invalid, or ours by name on other columns: made again as defined.
-                bind.execute(text(f"DROP INDEX IF EXISTS {_sibling(table, str(index.name))}"))
+                bind.execute(text(_drop_index_sql(bind, table, str(index.name))))
                 index.create(bind)
     if postgres:
         # A newer release recorded its version (a rolling deploy): its trigger stays as it
@@ -93,6 +112,51 @@ def install(bind: Engine | Connection, tables: Tables = DEFAULT) -> None:
     _record_version(bind, tables)
 
 
+def _install_mysql(conn: Connection, tables: Tables) -> None:
+    """MySQL/MariaDB: every DDL statement commits the transaction it runs in (an implicit
+    COMMIT before and after), so install() never runs inside a caller's transaction: it
+    would commit the caller's work half-way. It refuses a connection with one open, runs
+    the checks and changes, and commits its version rows itself. Installs serialize on a
+    named lock (GET_LOCK, held by this session only, released before returning)."""
+    if conn.in_transaction():
+        raise ConfigurationError(
+            "install() on MySQL/MariaDB was given a connection inside a transaction: DDL "
+            "commits implicitly there, so the caller's work would commit half-way; give it "
+            "the engine, or a connection before its first statement (not conn.begin())"
+        )
+    dialects.require_mysql_server(conn, "install")
+    got = conn.execute(
+        text("SELECT GET_LOCK(:k, :t)"), {"k": INSTALL_LOCK, "t": MYSQL_INSTALL_WAIT}
+    ).scalar()
+    if got != 1:
+        conn.rollback()
+        raise catalog.SchemaLocked(
+            f"another install() holds the lock {INSTALL_LOCK!r} for more than "
+            f"{MYSQL_INSTALL_WAIT}s: run install() or `consumerdedup init-db` again when it "
+            "ended (see SHOW PROCESSLIST)"
+        )
+    try:
+        _install(conn, tables)
+        # The producers' key-lock buckets and the relay's scan index (schema.mysql_outbox).
+        install_outbox_extras(conn, tables.outbox)
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+    finally:
+        conn.execute(text("SELECT RELEASE_LOCK(:k)"), {"k": INSTALL_LOCK})
+        conn.commit()
+
+
+def _create_database_sql(schema: str) -> str:
+    """MySQL/MariaDB: the database a schema-qualified table lives in (a validated identifier)."""
+    return f"CREATE DATABASE IF NOT EXISTS `{schema}` CHARACTER SET utf8mb4"
+
+
+MYSQL_INSTALL_WAIT = 30
+"""Seconds an install() on MySQL waits for another one's named lock."""
+
+
 def _add_column(conn: Connection, table: Table, column: Column[Any]) -> None:
     """A column a newer layout added: only a nullable one or one with a server default
     can be added to a table that has rows; for another, the fix is a migration."""
@@ -104,6 +168,13 @@ def _add_column(conn: Connection, table: Table, column: Column[Any]) -> None:
     spec = CreateColumn(column).compile(dialect=conn.dialect)
     with catalog.bounded(conn, table, f"add its column {column.name}"):
         conn.execute(text(f"ALTER TABLE {table_sql(table, conn.dialect.name)} ADD COLUMN {spec}"))
+
+
+def _drop_index_sql(conn: Connection, table: Table, name: str) -> str:
+    if dialects.is_mysql(conn.dialect):  # an index belongs to its table there
+        quoted = conn.dialect.identifier_preparer.quote(name)
+        return f"DROP INDEX IF EXISTS {quoted} ON {table_sql(table, 'mysql')}"
+    return f"DROP INDEX IF EXISTS {_sibling(table, name)}"
 
 
 def _sibling(table: Table, name: str) -> str:
@@ -215,6 +286,8 @@ def ddl(engine: Engine, tables: Tables = DEFAULT) -> str:
     for schema in sorted({t.schema for t in tables.owned if t.schema}):
         if engine.dialect.name == "postgresql":
             statements.append(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        elif dialects.is_mysql(engine.dialect):
+            statements.append(_create_database_sql(schema))
     for table in tables.owned:
         statements.append(str(CreateTable(table).compile(dialect=engine.dialect)).strip())
         for index in sorted(table.indexes, key=lambda i: str(i.name)):

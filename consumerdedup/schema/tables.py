@@ -13,13 +13,16 @@ from sqlalchemy import MetaData, Table
 
 from ..db.names import split_name
 from ..errors import ConfigurationError
+from ..options import boolean, instance, maybe
 from . import columns, notify
+from .offset_table import consumer_offsets_table
 
 SCHEMA_VERSION = 1
 """The layout of the tables this release reads and writes; ``install()`` records it per
 table in the version table, and a release that changes the layout raises it (see
 docs/migrations.md). Version 1: the tables as of the first release that records one."""
 VERSION_TABLE = "consumerdedup_schema"
+OFFSETS_TABLE = "consumer_offsets"
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class Tables:
     version_table: Table
     partitioned: bool = False
     """processed_events is range-partitioned by day on processed_at (PostgreSQL only)."""
+    consumer_offsets: Table | None = None
+    """Kafka partitions' next offsets, for ``KafkaConfig(offsets="database")``
+    (schema.offset_table); ``define()`` always sets it."""
 
     def __repr__(self) -> str:
         """The ``define()`` call that names these tables (``Tables.define()`` for the
@@ -47,6 +53,9 @@ class Tables:
             args.append(f"idempotency_keys={self.idempotency_keys.fullname!r}")
         if self.version_table.fullname != f"{schema}{VERSION_TABLE}":
             args.append(f"version_table={self.version_table.fullname!r}")
+        offsets = self.consumer_offsets
+        if offsets is not None and offsets.fullname != f"{schema}{OFFSETS_TABLE}":
+            args.append(f"consumer_offsets={offsets.fullname!r}")
         if self.partitioned:
             args.append("partitioned=True")
         return f"Tables.define({', '.join(args)})"
@@ -61,12 +70,14 @@ class Tables:
         partitioned: bool = False,
         idempotency_keys: str | None = None,
         version_table: str | None = None,
+        consumer_offsets: str | None = None,
     ) -> Tables:
         """The tables; ``partitioned=True`` makes processed_events range-partitioned by day.
 
         ``idempotency_keys`` (the HTTP idempotency-key records) defaults to a
         table of that name in processed_events' schema, and ``version_table`` (one row per
-        table: its schema version) to ``consumerdedup_schema`` there.
+        table: its schema version) to ``consumerdedup_schema`` there, and
+        ``consumer_offsets`` (Kafka offsets kept in the database) to ``consumer_offsets``.
 
         A partitioned table lets the pruner drop whole days instead of deleting
         rows (20x faster), but PostgreSQL cannot keep (consumer, message_id)
@@ -74,24 +85,36 @@ class Tables:
         and looks the key up in every partition first (see README: Partitioned
         processed_events). Every Deduplicator on the table must be told.
         """
-        metadata = metadata if metadata is not None else MetaData()
-        pe_schema = split_name(processed_events)[0]
+        option = "Tables.define"
+        given = maybe(metadata, f"{option}(metadata)", instance, MetaData, "a MetaData or None")
+        metadata = given if given is not None else MetaData()
+        partitioned = boolean(partitioned, f"{option}(partitioned)")
+        pe_schema = split_name(processed_events, f"{option}(processed_events)")[0]
         if idempotency_keys is None:
             idempotency_keys = f"{pe_schema}.idempotency_keys" if pe_schema else "idempotency_keys"
         if version_table is None:
             version_table = f"{pe_schema}.{VERSION_TABLE}" if pe_schema else VERSION_TABLE
-        names = (processed_events, outbox, idempotency_keys, version_table)
-        pe, ob, ik, vt = (split_name(name) for name in names)  # each a valid identifier
-        if len(set(names)) < 4:
+        if consumer_offsets is None:
+            consumer_offsets = f"{pe_schema}.{OFFSETS_TABLE}" if pe_schema else OFFSETS_TABLE
+        names = (processed_events, outbox, idempotency_keys, version_table, consumer_offsets)
+        options = (
+            "processed_events",
+            "outbox",
+            "idempotency_keys",
+            "version_table",
+            "consumer_offsets",
+        )
+        pe, ob, ik, vt, co = (
+            split_name(n, f"{option}({o})") for n, o in zip(names, options, strict=True)
+        )
+        if len(set(names)) < len(names):
             raise ConfigurationError(
-                f"the tables need four different names, not {processed_events!r}, "
-                f"{outbox!r}, {idempotency_keys!r} and {version_table!r}"
+                f"the tables need five different names, not {processed_events!r}, "
+                f"{outbox!r}, {idempotency_keys!r}, {version_table!r} and {consumer_offsets!r}"
             )
         for name in names:
             if name in metadata.tables:
                 raise ConfigurationError(f"table {name!r} is already defined on this MetaData")
-        if not isinstance(partitioned, bool):
-            raise ConfigurationError(f"partitioned must be a bool, not {partitioned!r}")
         return cls(
             metadata=metadata,
             processed_events=columns.processed_events_table(metadata, *pe, partitioned=partitioned),
@@ -99,17 +122,28 @@ class Tables:
             idempotency_keys=columns.idempotency_keys_table(metadata, *ik),
             version_table=columns.version_table(metadata, *vt),
             partitioned=partitioned,
+            consumer_offsets=consumer_offsets_table(metadata, *co),
         )
 
     @property
-    def all(self) -> tuple[Table, Table, Table]:
-        """The three tables that hold data (the version table is ``owned``'s fourth)."""
-        return (self.processed_events, self.outbox, self.idempotency_keys)
+    def all(self) -> tuple[Table, ...]:
+        """The tables that hold data (the version table is ``owned``'s last)."""
+        data = (self.processed_events, self.outbox, self.idempotency_keys)
+        return data if self.consumer_offsets is None else (*data, self.consumer_offsets)
 
     @property
-    def owned(self) -> tuple[Table, Table, Table, Table]:
+    def owned(self) -> tuple[Table, ...]:
         """Every table ``install()`` creates: ``all`` and the version table."""
         return (*self.all, self.version_table)
+
+    @property
+    def offsets(self) -> Table:
+        """consumer_offsets (``define()`` sets it; a Tables made by hand may lack it)."""
+        if self.consumer_offsets is None:
+            raise ConfigurationError(
+                "these Tables have no consumer_offsets table: make them with Tables.define()"
+            )
+        return self.consumer_offsets
 
     @property
     def notify_channel(self) -> str:

@@ -11,7 +11,7 @@ pipeline and the doctor, so that each of them can call it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,9 @@ __all__ = [
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
+Unreached = Callable[[Engine, Exception], "Check"]
+"""What the checks say of a database they could not reach: a WARN, or raise the error."""
+
 
 @dataclass(frozen=True)
 class Check:
@@ -58,23 +61,30 @@ def startup_checks(
     """The cheap part, for a runner or relay at start: reachable, the tables it uses
     (``needed``; default all of ours) present, their keys (dedup rests on them), rights.
 
-    A database that cannot be reached now is an outage, not a setup fault: it is a WARN,
-    and the process's own retry takes it from there, as before; a refused login is a FAIL.
+    A database that cannot be reached now is an outage, not a setup fault: it is a WARN
+    (``require_startup`` raises it instead, for the runner to wait out); a refused login
+    is a FAIL.
     """
+    return _startup_checks(engine, tables, needed, _not_reached)
+
+
+def _startup_checks(
+    engine: Engine, tables: Tables, needed: Sequence[Table] | None, unreached: Unreached
+) -> list[Check]:
     from . import structure as checks
 
     found = [checks.engine_settings(engine)]
     try:
         conn = engine.connect()
     except Exception as error:
-        return [*found, _not_reached(engine, error)]
+        return [*found, unreached(engine, error)]
     with conn:
         try:
             return [*found, *_connected_startup_checks(conn, tables, needed)]
         except sa_exc.DBAPIError as error:
             if not _outage(error):
                 raise
-            return [*found, _not_reached(engine, error)]
+            return [*found, unreached(engine, error)]
 
 
 async def startup_checks_async(
@@ -82,19 +92,25 @@ async def startup_checks_async(
 ) -> list[Check]:
     """``startup_checks`` for an AsyncEngine: the same checks, on one connection, run in
     the sync world through ``run_sync``."""
+    return await _startup_checks_async(engine, tables, needed, _not_reached)
+
+
+async def _startup_checks_async(
+    engine: AsyncEngine, tables: Tables, needed: Sequence[Table] | None, unreached: Unreached
+) -> list[Check]:
     from . import structure as checks
 
     found = [checks.engine_settings(engine.sync_engine)]
     try:
         conn = await engine.connect()
     except Exception as error:
-        return [*found, _not_reached(engine.sync_engine, error)]
+        return [*found, unreached(engine.sync_engine, error)]
     try:
         return [*found, *await conn.run_sync(_connected_startup_checks, tables, needed)]
     except sa_exc.DBAPIError as error:
         if not _outage(error):
             raise
-        return [*found, _not_reached(engine.sync_engine, error)]
+        return [*found, unreached(engine.sync_engine, error)]
     finally:
         await conn.close()
 
@@ -111,6 +127,16 @@ def _not_reached(engine: Engine, error: Exception) -> Check:
 
     said = checks.unreachable(engine, error)
     return said if authentication_refused(error) else replace(said, status=WARN)
+
+
+def _raise_outage(engine: Engine, error: Exception) -> Check:
+    """For ``require_startup``: a refused login stays a FAIL (a setup fault); any other
+    failure to reach the database is raised as it came, for the runner to wait out
+    (``ConsumerRunner.start_checked``): checks that did not run have not passed."""
+    said = _not_reached(engine, error)
+    if said.status == FAIL:
+        return said
+    raise error
 
 
 def _connected_startup_checks(
@@ -142,8 +168,9 @@ def require_startup(
     engine: Engine, tables: Tables = DEFAULT, needed: Sequence[Table] | None = None
 ) -> None:
     """``startup_checks``, for a runner or relay about to start: ConfigurationError naming
-    each FAIL and its fix, instead of logging ``consuming ...`` and failing later."""
-    _require(startup_checks(engine, tables, needed))
+    each FAIL and its fix, instead of logging ``consuming ...`` and failing later. A
+    database that cannot be reached raises the driver's error (an outage, to retry)."""
+    _require(_startup_checks(engine, tables, needed, _raise_outage))
 
 
 def _require(found: Sequence[Check]) -> None:
@@ -159,4 +186,4 @@ async def require_startup_async(
     engine: AsyncEngine, tables: Tables = DEFAULT, needed: Sequence[Table] | None = None
 ) -> None:
     """``require_startup`` for an AsyncEngine (``startup_checks_async``)."""
-    _require(await startup_checks_async(engine, tables, needed))
+    _require(await _startup_checks_async(engine, tables, needed, _raise_outage))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sqlalchemy import Connection, Engine, insert, text
+from sqlalchemy import Connection, Engine, func, insert, inspect, select, text
 
 from ..db import catalog
-from ..db.dialects import require_transactional
+from ..db.dialects import is_mysql, require_transactional
 from ..db.names import table_sql
 from ..errors import ConfigurationError
 from ..reasons import authentication_refused, describe
@@ -55,6 +55,11 @@ def reachable(conn: Connection) -> Check:
         user, version = conn.execute(text("SELECT current_user, version()")).one()
         database = conn.execute(text("SELECT current_database()")).scalar_one()
         said = f"connected to {database} as {user} ({' '.join(str(version).split()[:2])})"
+    elif conn.dialect.name in ("mysql", "mariadb"):
+        user, version, database = conn.execute(
+            text("SELECT CURRENT_USER(), VERSION(), DATABASE()")
+        ).one()
+        said = f"connected to {database} as {user} ({version})"
     else:
         version = conn.execute(text("SELECT sqlite_version()")).scalar_one()
         said = f"connected to {conn.engine.url.database or ':memory:'} (SQLite {version})"
@@ -175,6 +180,47 @@ def notify_trigger(conn: Connection, tables: Tables) -> list[Check]:
             state = "not AFTER INSERT FOR EACH STATEMENT"
         return [Check("notify trigger", FAIL, f"{trigger_name} is {state}", fix)]
     return [Check("notify trigger", OK, f"{trigger_name} notifies {channel}")]
+
+
+def mysql_outbox(conn: Connection, tables: Tables) -> list[Check]:
+    """MySQL/MariaDB: the outbox's key-lock table with every bucket row (``Outbox.add``
+    row-locks its key's bucket there: without the table every add fails, without a row an
+    add of that bucket's keys is refused) and the relay's scan indexes (without them every
+    relay round reads the whole outbox)."""
+    if not is_mysql(conn.dialect):
+        return []
+    from ..schema.mysql_outbox import BUCKETS, key_locks_table, relay_indexes
+
+    table = key_locks_table(tables.outbox)
+    if table.fullname not in catalog.existing(conn, [table]):
+        detail = (
+            f"{table.fullname} is missing: every Outbox.add fails (it locks its key's bucket "
+            "there, so a key's events commit in order)"
+        )
+        return [Check("outbox key locks", FAIL, detail, INIT_DB)]
+    bucket = table.c.bucket
+    have = conn.execute(
+        select(func.count()).select_from(table).where(bucket >= 0, bucket < BUCKETS)
+    ).scalar_one()
+    if have < BUCKETS:
+        detail = (
+            f"{table.fullname} has {have} of its {BUCKETS} bucket rows: Outbox.add is "
+            "refused for the keys of a missing bucket"
+        )
+        return [Check("outbox key locks", FAIL, detail, INIT_DB)]
+    found = [Check("outbox key locks", OK, f"{table.fullname}: all {BUCKETS} bucket rows")]
+    outbox = tables.outbox
+    names = {index["name"] for index in inspect(conn).get_indexes(outbox.name, outbox.schema)}
+    lacking = [str(index.name) for index in relay_indexes(outbox) if index.name not in names]
+    if lacking:
+        detail = (
+            f"{', '.join(lacking)} missing on {outbox.fullname}: every relay round reads "
+            "the whole outbox"
+        )
+        found.append(Check("relay indexes", WARN, detail, INIT_DB))
+    else:
+        found.append(Check("relay indexes", OK, f"{len(relay_indexes(outbox))} present"))
+    return found
 
 
 def schema_version(conn: Connection, tables: Tables, present: set[str]) -> Check:

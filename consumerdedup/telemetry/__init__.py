@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import Engine
+
+from ..schema import Tables
 from . import hooks
 
 
@@ -49,9 +52,11 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> None:
     hooks.send = tracing.send
     hooks.outbox_headers = add_trace_context
     hooks.http_decision = http_decision
+    hooks.http_lease_expired = tracing.instruments.lease_expired
+    hooks.breaker = tracing.instruments.breaker
 
 
-def observe_tables(engine: Any, tables: Any = None, meter_provider: Any = None) -> Any:
+def observe_tables(engine: Engine, tables: Tables | None = None, meter_provider: Any = None) -> Any:
     """The gauges operators alert on (backlog, oldest unpublished age, parked events,
     FAILED records and rows per consumer, rows in DEFAULT) as OpenTelemetry observable
     gauges, read from ``tables`` at each collection. Returns what registered them."""
@@ -63,9 +68,13 @@ def observe_tables(engine: Any, tables: Any = None, meter_provider: Any = None) 
         raise ConfigurationError(
             "telemetry needs the OpenTelemetry API: pip install 'consumerdedup[otel]'"
         ) from None
+    from .. import options
     from ..schema import DEFAULT
     from .gauges import TableGauges
     from .metrics import SCOPE
+
+    options.instance(engine, "observe_tables(engine)", Engine, "a sqlalchemy Engine")
+    options.maybe(tables, "observe_tables(tables)", options.instance, Tables, "a Tables or None")
 
     meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)
     return TableGauges(engine, tables if tables is not None else DEFAULT, meter)
@@ -77,3 +86,5 @@ def uninstrument() -> None:
     hooks.send = None
     hooks.outbox_headers = None
     hooks.http_decision = None
+    hooks.http_lease_expired = None
+    hooks.breaker = None

@@ -1,4 +1,4 @@
-"""Where telemetry plugs into the message path: four slots, empty until ``instrument()``.
+"""Where telemetry plugs into the message path: six slots, empty until ``instrument()``.
 
 The per-message code reads a slot and goes on when it is None: one global read
 per batch, nothing imported, no allocation. This module imports nothing, so the
@@ -32,3 +32,9 @@ outbox_headers: Callable[[dict[str, str]], None] | None = None
 """``Outbox.add`` lets it add the current trace context to a new event's headers."""
 http_decision: Callable[[object], None] | None = None
 """The HTTP idempotency flow tells it each request's decision (a span event)."""
+http_lease_expired: Callable[[str], None] | None = None
+"""The HTTP idempotency flow tells it (with the request's method) that an endpoint ran past
+its claim's lease: a counter, ``consumerdedup.http.lease_expired``."""
+breaker: Callable[[str, str, bool], None] | None = None
+"""A consumer's circuit breaker tells it ``(consumer, error type, open)`` when it opens
+(True) or is reset (False)."""

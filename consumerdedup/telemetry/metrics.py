@@ -4,7 +4,12 @@
   (a message, or a batch), with ``consumerdedup.outcome`` when the batch agrees;
 * ``messaging.client.consumed.messages`` (counter): one per message, by outcome;
 * ``messaging.client.sent.messages`` (counter) and ``messaging.client.operation.duration``
-  (histogram, s, operation ``send``) for the relay.
+  (histogram, s, operation ``send``) for the relay;
+* ``consumerdedup.http.lease_expired`` (counter): idempotent HTTP requests whose endpoint
+  ran past its claim's lease, by ``http.request.method``.
+* ``consumerdedup.consumer.breaker.open`` (up-down counter): per consumer, 1 while its
+  circuit breaker is open (the runner stopped taking messages), with the ``error.type``
+  that opened it; ``consumerdedup.consumer.breaker.trips`` (counter): each opening.
 """
 
 from __future__ import annotations
@@ -45,6 +50,34 @@ class Instruments:
             description="Duration of messaging operation initiated by a producer or consumer.",
             explicit_bucket_boundaries_advisory=buckets,
         )
+        self.http_lease_expired = meter.create_counter(
+            "consumerdedup.http.lease_expired",
+            unit="{request}",
+            description="Idempotent HTTP requests whose endpoint ran past its claim's lease "
+            "(a twin may have run it again).",
+        )
+
+        self.breaker_open = meter.create_up_down_counter(
+            "consumerdedup.consumer.breaker.open",
+            unit="{breaker}",
+            description="1 while the consumer's circuit breaker is open (it takes no messages).",
+        )
+        self.breaker_trips = meter.create_counter(
+            "consumerdedup.consumer.breaker.trips",
+            unit="{trip}",
+            description="Times the consumer's circuit breaker opened.",
+        )
+
+    def breaker(self, consumer: str, error_type: str, opened: bool) -> None:
+        """A circuit breaker opened (``opened``) or was reset."""
+        attributes = {"consumerdedup.consumer": consumer, "error.type": error_type}
+        self.breaker_open.add(1 if opened else -1, attributes)
+        if opened:
+            self.breaker_trips.add(1, attributes)
+
+    def lease_expired(self, method: str) -> None:
+        """An idempotent HTTP request's endpoint ran past its claim's lease."""
+        self.http_lease_expired.add(1, {"http.request.method": method})
 
     def processed(
         self, system: str, destination: str, consumer: str, results: Sequence[Result],

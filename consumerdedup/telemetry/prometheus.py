@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from .. import options
 from ..errors import ConfigurationError
 from ..schema import Tables
 from .readings import Readings
@@ -124,6 +125,11 @@ def serve(
     addr: str = "0.0.0.0",
 ) -> Callable[[], None]:  # fmt: skip
     """Serve ``/metrics`` on ``port`` in a daemon thread; returns what stops it."""
+    options.integer(port, "serve(port)", at_least=0, at_most=65535)
+    options.instance(engine, "serve(engine)", Engine, "a sqlalchemy Engine")
+    options.instance(tables, "serve(tables)", Tables, "a Tables (Tables.define(...))")
+    options.maybe(counters, "serve(counters)", options.function)
+    options.text(addr, "serve(addr)")
     client = _client()
     registry = client.CollectorRegistry(auto_describe=False)
     registry.register(TablesCollector(engine, tables, counters))

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Engine, Table, case, func, select
 
 from ..db.partitions import DayPartitions
+from ..prune.idempotency import IN_FLIGHT
 from ..schema import Tables
 
 
@@ -81,6 +82,34 @@ def partition_stats(engine: Engine, tables: Tables) -> dict[str, Any] | None:
         return None
     with engine.connect() as conn:
         return DayPartitions(tables.processed_events).summary(conn)
+
+
+KEY_CONDITIONS = ("live", "expired", "in_flight", "abandoned", "not_stored")
+"""What an idempotency key can be now; "not_stored" is a kind of live or expired record."""
+
+
+def key_conditions(ik: Table, now: datetime) -> dict[str, Any]:
+    """Each of KEY_CONDITIONS as a SQL condition on the idempotency_keys table at ``now``
+    (the same rules as the store and the pruner): a completed record is live until it
+    expires; an in-flight claim is in flight while its lease holds, abandoned after."""
+    flying = ik.c.state == IN_FLIGHT
+    lease_over = ik.c.locked_until <= now
+    return {
+        "live": ~flying & (ik.c.expires_at > now),
+        "expired": ~flying & (ik.c.expires_at <= now),
+        "in_flight": flying & ~lease_over,
+        "abandoned": flying & lease_over,
+        "not_stored": ik.c.state == "not_stored",
+    }
+
+
+def key_stats(engine: Engine, ik: Table) -> dict[str, int]:
+    """Idempotency keys by what they are now (key_conditions)."""
+    conditions = key_conditions(ik, datetime.now(UTC))
+    query = select(*(count_of(conditions[name]) for name in KEY_CONDITIONS))
+    with engine.connect() as conn:
+        counts = conn.execute(query).one()
+    return {name: int(n) for name, n in zip(KEY_CONDITIONS, counts, strict=True)}
 
 
 @dataclass(frozen=True)

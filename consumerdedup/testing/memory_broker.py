@@ -17,9 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from ..errors import ConfigurationError, SimulatedCrash
+from ..errors import SimulatedCrash
 from ..headers import CONSUMER_HEADER, DEAD_LETTER_SUFFIX, ID_HEADER, REASON_HEADER
 from ..message import Message
+from ..options import integer, number, refuse
 from ..outbox.publisher import Publisher
 
 __all__ = ["CONSUMER_HEADER", "REASON_HEADER", "Delivery", "MemoryBroker"]
@@ -75,9 +76,11 @@ class MemoryBroker(Publisher):
     """
 
     def __init__(self, *, duplicate_rate: float = 0.0, seed: int = 0) -> None:
-        if not 0.0 <= duplicate_rate < 1.0:
-            raise ConfigurationError("duplicate_rate must be in [0, 1)")
-        self.duplicate_rate = duplicate_rate
+        rate = number(duplicate_rate, "MemoryBroker.duplicate_rate", at_least=0)
+        if rate >= 1:
+            raise refuse("MemoryBroker.duplicate_rate", duplicate_rate, "a number in [0, 1)")
+        self.duplicate_rate = rate
+        integer(seed, "MemoryBroker.seed")
         self._random = random.Random(seed)
         self._queues: dict[str, _Queue] = {}
         self._tags = itertools.count(1)

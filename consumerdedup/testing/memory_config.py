@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from ..errors import ConfigurationError
+from ..options import duration, integer, maybe, settle, text
 from ..retry import Backoff
 
 
@@ -30,16 +30,14 @@ class MemoryConfig:
     """The consumer's name at the broker (what ``disconnect`` gives back); None: made up."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigurationError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
-        if self.poll_timeout <= timedelta(0):
-            raise ConfigurationError("poll_timeout must be positive")
-        if self.retry_delay < timedelta(0):
-            raise ConfigurationError("retry_delay must not be negative")
-        if self.max_retry_delay < self.retry_delay:
-            raise ConfigurationError("need retry_delay <= max_retry_delay")
-        if self.connection_name is not None and not self.connection_name:
-            raise ConfigurationError("connection_name must be a non-empty str or None")
+        option = "MemoryConfig."
+        settle(self, "batch_size", integer(self.batch_size, option + "batch_size", at_least=1))
+        settle(self, "poll_timeout", duration(self.poll_timeout, option + "poll_timeout"))
+        delay = duration(self.retry_delay, option + "retry_delay", zero=True)
+        settle(self, "retry_delay", delay)
+        longest = duration(self.max_retry_delay, option + "max_retry_delay", at_least=delay)
+        settle(self, "max_retry_delay", longest)
+        maybe(self.connection_name, option + "connection_name", text)
 
     @property
     def redelivery_backoff(self) -> Backoff:

@@ -13,16 +13,17 @@ import functools
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any, overload
 
 from ..dedup.processing import BlockingProcessor, Handler
-from ..lifecycle import BeforeAck, ConsumerRunner
+from ..lifecycle import BeforeAck, ConsumerRunner, DeadlinePassed
+from ..options import duration, instance, maybe, text
 from ..outcome import Outcome, Result
 from .memory_broker import Delivery, MemoryBroker
 from .memory_config import MemoryConfig
 
 _names = itertools.count(1)
+_CONFIG = "a MemoryConfig or None"
 _RETRY_MEMORY = 10_000
 _OLD_KEYWORDS = frozenset({"source", "batch_size", "retry_delay", "poll_interval", "name"})
 
@@ -40,10 +41,11 @@ def _old_form(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments of the 0.1 call form in the new one, its defaults and timing kept
     (a fixed ``retry_delay``: the longest wait is the first)."""
-    delay = timedelta(seconds=retry_delay)
+    # This form documented both in seconds: taken as such, checked as every duration is.
+    delay = duration(retry_delay, "MemoryConsumerRunner(retry_delay)", seconds=True, zero=True)
     config = MemoryConfig(
         batch_size=batch_size,
-        poll_timeout=timedelta(seconds=poll_interval),
+        poll_timeout=duration(poll_interval, "MemoryConsumerRunner(poll_interval)", seconds=True),
         retry_delay=delay,
         max_retry_delay=delay,
         connection_name=name,
@@ -121,10 +123,14 @@ class MemoryConsumerRunner(ConsumerRunner):
         before_ack: BeforeAck | None = None,
     ) -> None:
         super().__init__(before_ack=before_ack)
-        self.broker = broker
-        self.queue = queue
+        self.broker = instance(
+            broker, "MemoryConsumerRunner.broker", MemoryBroker, "a MemoryBroker"
+        )
+        self.queue = text(queue, "MemoryConsumerRunner.queue")
         self.handler = handler
         self.processor = BlockingProcessor(handler)
+        self._use_breaker(self.processor.breaker)
+        config = maybe(config, "MemoryConsumerRunner.config", instance, MemoryConfig, _CONFIG)
         self.config = config = config if config is not None else MemoryConfig()
         self.name = config.connection_name or f"memory-consumer-{next(_names)}"
         self._retries: dict[str | None, int] = {}  # RETRYs in a row per id, for the backoff
@@ -137,14 +143,22 @@ class MemoryConsumerRunner(ConsumerRunner):
         consumer's connection closes and Kafka when a group member leaves.
         """
         try:
-            self.processor.check_startup()  # a missing table or right stops it here
+            # A missing table or right stops it here; a database away is waited for.
+            if not self.start_checked(self.processor.check_startup):
+                return
+            self._set_ready(True)  # a queue is consumed from the first fetch: no subscribing
             self._consume(until_idle)
+            self.breaker.raise_if_open()  # it stopped taking messages: CircuitOpen
+        except DeadlinePassed as passed:
+            self.gave_up(passed)
         finally:
+            self._set_ready(False)
             self.broker.disconnect(self.name)
             self.processor.close()
 
     def _consume(self, until_idle: bool) -> None:
         while not self.stopping:
+            self.tick()
             wait = 0.0 if until_idle else self.config.poll_timeout.total_seconds()
             deliveries = self.broker.fetch(
                 self.queue, self.config.batch_size, consumer=self.name, timeout=wait

@@ -51,12 +51,12 @@ async def test_a_rebalance_with_bulk_handlers_in_flight_loses_and_doubles_nothin
     kafka: KafkaService, topics: Topics, pg: Any, ledger: Table
 ) -> None:
     table = ledger
-    topic, ids = await fill(topics, "bulkrebal", 600)
+    topic, ids = await fill(topics, "bulkrebal", 600, later=150)
     group = "group-" + topic
     first, second = (
         runner(kafka, bulk(pg, table), topic, group_id=group, batch_size=20) for _ in range(2)
     )
-    await second_joins_mid_run(first, second, table, ids, topics, topic, group, after=80)
+    await second_joins_mid_run(first, second, table, ids, topics, topic, group, after=80, later=150)
     table.assert_each_once_in_partition_order(ids)
     ob = pg.tables.outbox
     with pg.engine.connect() as conn:

@@ -3,25 +3,34 @@ window's confirms came back and before the round marked them published.
 
 Those events are on the broker but unmarked: the next relay sends them again (repeats are
 fine, consumers dedup by event_id); none is lost, and each key's first copies stay in order.
-On PostgreSQL the killed round's claim and row locks go with its connection; on SQLite the
-round had read and committed, so the rows were never marked."""
+On PostgreSQL and MariaDB the killed round's claim and row locks go with its connection (the
+server rolls back when the socket closes); on SQLite the round had read and committed, so
+the rows were never marked."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import create_engine, func, select
 
 from consumerdedup import OutboxRelay, RelayConfig
 from consumerdedup.adapters.rabbitmq import RabbitPublisher
-from tests.conftest import Database
+from tests.conftest import Database, database
 from tests.rabbitmq.test_relay_window import add, first_copies, in_key_order
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
 NOW = RelayConfig(batch_size=100, initial_backoff=timedelta(0), max_backoff=timedelta(0))
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, request.param, tmp_path)
 
 
 class DiesAfterConfirms(RabbitPublisher):

@@ -4,8 +4,9 @@
   ``RabbitConfig(declare=True)`` the topology was declared only at connect, so every FAILED
   delivery after the deletion came back unsent, again and again, until a reconnect (its log
   advising the ``declare=True`` already set). Now the DLQ is declared again at the first
-  unroutable dead letter. Without ``declare`` the delivery stays in the queue, unacked, its
-  FAILED record kept, and the error names the DLQ and the fix; its batch-mates go on.
+  unroutable dead letter. Without ``declare`` run() stops with DeadLetterMissing naming the
+  DLQ and the fix (issue 38, item 5); the delivery stays in the queue, unacked, its FAILED
+  record kept.
 - The consumed queue deleted (no ``declare``): the TopologyError named the queue but not the
   way out; now it says to declare it or set ``declare=True``.
 - Hostile ids (NUL, 256 characters, not UTF-8, empty) in message_id and the id header
@@ -17,7 +18,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from datetime import timedelta
@@ -28,7 +28,12 @@ import pytest
 from sqlalchemy import text
 
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Outcome
-from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner, TopologyError
+from consumerdedup.adapters.rabbitmq import (
+    DeadLetterMissing,
+    RabbitConfig,
+    RabbitConsumerRunner,
+    TopologyError,
+)
 from consumerdedup.headers import REASON_HEADER
 from tests.rabbitmq.test_runner import Consumer, body, dead_letters
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
@@ -57,40 +62,65 @@ def recorded(db: Any) -> dict[str, str]:
         return {r[0]: r[1] for r in conn.exec_driver_sql(sql)}
 
 
-@pytest.mark.parametrize("declare", [True, False], ids=["declare", "no-declare"])
-def test_the_dead_letter_queue_deleted_while_running(
-    pg: Any, rabbit: Broker, declare: bool, caplog: pytest.LogCaptureFixture
+def test_the_dead_letter_queue_deleted_while_running_is_declared_again(
+    pg: Any, rabbit: Broker
 ) -> None:
     queue = rabbit.queue()
-    consumer = Consumer(pg, rabbit, queue, declare=declare)
+    consumer = Consumer(pg, rabbit, queue, declare=True)
     stop = consumer.start()
     try:
         rabbit.publish(queue, body(n=1), "m-1")
         wait_until(lambda: consumer.applied() == ["m-1"], "m-1 applied")
         rabbit.channel.queue_delete(queue + ".dlq")
-        with caplog.at_level(logging.WARNING, logger="consumerdedup.rabbitmq"):
-            rabbit.publish(queue, body(refuse="bad"), "m-2")
-            rabbit.publish(queue, body(n=3), "m-3")
-            wait_until(lambda: "m-3" in consumer.applied(), "m-3 applied")
-            if declare:
-                wait_until(lambda: letters(rabbit, queue), "m-2 dead-lettered")
-            else:
-                wait_until(lambda: "cannot dead-letter" in caplog.text, "the error")
+        rabbit.publish(queue, body(refuse="bad"), "m-2")
+        rabbit.publish(queue, body(n=3), "m-3")
+        wait_until(lambda: "m-3" in consumer.applied(), "m-3 applied")
+        wait_until(lambda: letters(rabbit, queue), "m-2 dead-lettered")
     finally:
         stop()
     assert sorted(consumer.applied()) == ["m-1", "m-3"]
     assert recorded(pg) == {"m-1": "processed", "m-2": "failed", "m-3": "processed"}
-    if declare:
-        [(properties, _)] = letters(rabbit, queue)
-        assert properties.message_id == "m-2"
-        assert "bad" in properties.headers[REASON_HEADER]
-        assert rabbit.held(queue) == 0
-    else:
-        assert rabbit.held(queue) == 1, "m-2 was acked without its dead letter"
-        [properties, _] = rabbit.peek(queue)[0]
-        assert properties.message_id == "m-2"
-        unsent = [r.getMessage() for r in caplog.records if "cannot dead-letter" in r.getMessage()]
-        assert unsent and f"{queue}.dlq" in unsent[0] and "declare=True" in unsent[0]
+    [(properties, _)] = letters(rabbit, queue)
+    assert properties.message_id == "m-2"
+    assert "bad" in properties.headers[REASON_HEADER]
+    assert rabbit.held(queue) == 0
+
+
+def test_the_dead_letter_queue_deleted_while_running_without_declare_stops_the_runner(
+    pg: Any, rabbit: Broker
+) -> None:
+    """Without ``declare`` a dead letter with nowhere to go is a setup fault (issue 38, item
+    5): run() raises DeadLetterMissing naming the DLQ and the fix; m-2 stays in the queue,
+    unacked, its FAILED record kept (it used to come back, unsent, forever)."""
+    queue = rabbit.queue()
+    consumer = Consumer(pg, rabbit, queue)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.runner.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        rabbit.publish(queue, body(n=1), "m-1")
+        wait_until(lambda: consumer.applied() == ["m-1"], "m-1 applied")
+        rabbit.channel.queue_delete(queue + ".dlq")
+        rabbit.publish(queue, body(refuse="bad"), "m-2")
+        wait_until(lambda: not thread.is_alive(), "run() to stop on the fault")
+    finally:
+        consumer.runner.stop()
+        thread.join(30)
+    [error] = raised
+    assert isinstance(error, DeadLetterMissing)
+    assert f"declare the dead-letter queue {queue + '.dlq'!r}" in str(error)
+    assert "RabbitConfig(declare=True)" in str(error)
+    assert recorded(pg) == {"m-1": "processed", "m-2": "failed"}
+    assert rabbit.held(queue) == 1, "m-2 was acked without its dead letter"
+    [properties, _] = rabbit.peek(queue)[0]
+    assert properties.message_id == "m-2"
 
 
 def test_hostile_ids_across_a_bulk_handler_fail_alone(pg: Any, rabbit: Broker) -> None:

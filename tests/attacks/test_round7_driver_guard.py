@@ -26,20 +26,21 @@ Found and fixed in this round (now regression tests):
   culprit ended RETRY on every delivery. The server's timeouts on the transaction itself
   (25P03, 25P04) are now the message's own error (retry.py): the batch halves to it.
 
-Still open (xfail strict, see each reason):
+Closed in round 9 (issue 38 item 15; the xfail markers removed, twins in test_round9):
 
 - A thread the handler started, writing through a cursor it made in the call after the
-  handler returned: the write lands in whatever transaction the connection is in next.
+  handler returned: the cursor is refused once its call is over.
 - A handler in a batch that sends ``ROLLBACK TO SAVEPOINT`` to a savepoint a batch-mate's
-  handler left open: the batch-mate's effects are undone and it is still PROCESSED.
-- A thread of the handler's rolling the raw connection back inside the pipeline's COMMIT
-  (after the check that the transaction is still open, timed by a commit listener):
-  nothing is committed and it is reported PROCESSED.
-- A keyed ``Outbox.add`` held back to COMMIT survives a savepoint rolled back through
-  psycopg (``raw.transaction()``, SAVEPOINT/ROLLBACK TO on the raw connection).
-- ``SET LOCAL search_path`` in a handler (unqualified default table names, a schema per
-  tenant): check-first's record goes to the other tenant's processed_events (any route),
-  and held-back keyed outbox events to its outbox (raw route); claim-first's record held.
+  handler left open: refused before it is sent (savepoints followed by name per call).
+- A thread of the handler's rolling the raw connection back: refused while the guard is
+  on; inside the pipeline's COMMIT, the COMMIT's answer (25P01) says nothing committed.
+- A keyed ``Outbox.add`` and a savepoint on the raw connection (SAVEPOINT / ROLLBACK TO
+  through it, ``raw.transaction()``): refused, as through SQLAlchemy.
+- ``SET LOCAL search_path`` in a handler: the path is put back before our record, the
+  held-back events and the next handler.
+
+Still open (xfail strict, and in the README's unsupported handler behaviour):
+
 - (Minor) An error swallowed at a server-side cursor's fetch, in a psycopg pipeline or
   at a COPY: FAILED as it should, but the reason does not name the error (the fetch, the
   pipeline's sync and the COPY block's end are not watched).
@@ -81,6 +82,7 @@ from consumerdedup import (
 )
 from tests.attacks.test_round6 import assert_nothing_done_without_effects, effects, recorded
 from tests.conftest import Database
+from tests.support.async_drivers import ASYNC_PG_DRIVERS, async_engine
 
 FAST = RetryPolicy(attempts=2, initial_delay=timedelta(0), max_delay=timedelta(0))
 
@@ -163,11 +165,14 @@ def test_a_raw_write_after_the_session_ended_never_commits(
     assert effects(ledger) == ["ok"], "FAILED has its record and no effects"
 
 
-def test_a_raw_write_after_the_session_closed_never_commits_async(ledger: Database) -> None:
+@pytest.mark.parametrize("driver", ASYNC_PG_DRIVERS)
+def test_a_raw_write_after_the_session_closed_never_commits_async(
+    ledger: Database, driver: str
+) -> None:
     insert = insert_sql(ledger)
 
     async def go() -> tuple[list[Result], list[Result]]:
-        engine = create_async_engine(ledger.async_url, pool_size=1, max_overflow=0)
+        engine = async_engine(ledger.url, driver, pool_size=1, max_overflow=0)
         dedup = AsyncDeduplicator(engine, "round7", tables=ledger.tables, retry=FAST)
 
         @dedup.handler
@@ -259,12 +264,6 @@ def test_a_commit_as_sql_stays_refused_while_another_call_ends(
     assert_nothing_done_without_effects(ledger, got["A"] + got["B"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a cursor made in A's call, used by A's thread after A returned, writes into the "
-    "next message's transaction without error; that message fails and A's write is lost "
-    "while A is PROCESSED",
-)
 def test_a_handlers_thread_writing_after_it_returned_is_not_lost_silently(
     ledger: Database, one: Engine
 ) -> None:
@@ -302,11 +301,6 @@ def test_a_handlers_thread_writing_after_it_returned_is_not_lost_silently(
     assert "B" not in effects(ledger)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a handler's ROLLBACK TO SAVEPOINT reaches a savepoint a batch-mate's handler "
-    "left open: the batch-mate's effects are undone and it is reported PROCESSED",
-)
 @pytest.mark.parametrize("route", ["raw", "begin_nested"])
 @pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
 def test_a_batch_mates_savepoint_is_not_reachable(
@@ -409,13 +403,14 @@ def run_batch(
 
 
 def run_batch_async(
-    db: Database, misbehave: Callable[[Any, Any], Awaitable[None]]
+    db: Database, misbehave: Callable[[Any, Any], Awaitable[None]], driver: str = "psycopg"
 ) -> tuple[list[Result], list[Result]]:
-    """``run_batch`` on the asyncio driver: m1's call misbehaving after its write."""
+    """``run_batch`` on the asyncio driver (psycopg or asyncpg): m1's call misbehaving after
+    its write."""
     insert = insert_sql(db)
 
     async def go() -> tuple[list[Result], list[Result]]:
-        engine = create_async_engine(db.async_url, pool_size=1, max_overflow=0)
+        engine = async_engine(db.url, driver, pool_size=1, max_overflow=0)
         dedup = AsyncDeduplicator(engine, "round7", tables=db.tables, retry=FAST)
 
         @dedup.handler
@@ -626,15 +621,34 @@ def test_a_bulk_call_with_one_misbehaving_message_isolates_it(
     app_commit_works(ledger, one)
 
 
+@pytest.mark.parametrize("driver", ASYNC_PG_DRIVERS)
 @pytest.mark.parametrize("how", ["text_commit", "raw_commit", "raw_rollback", "swallowed"])
-def test_async_misbehaviour_fails_its_message_alone(ledger: Database, how: str) -> None:
+def test_async_misbehaviour_fails_its_message_alone(
+    ledger: Database, how: str, driver: str
+) -> None:
+    """On asyncpg the raw DB-API connection is SQLAlchemy's adapter over asyncpg's (its
+    commit() and rollback(), run in SQLAlchemy's greenlet), and the error is swallowed from
+    asyncpg's own connection: asyncpg cannot say the transaction is aborted, the server does."""
+
+    def adapter(session: Any) -> Any:
+        return session.connection().connection.dbapi_connection
+
     async def misbehave(session: Any, raw: Any) -> None:
         if how == "text_commit":
             await session.execute(text("COMMIT"))
+        elif how == "raw_commit" and driver == "asyncpg":
+            await session.run_sync(lambda s: adapter(s).commit())
         elif how == "raw_commit":
             await raw.commit()
+        elif how == "raw_rollback" and driver == "asyncpg":
+            await session.run_sync(lambda s: adapter(s).rollback())
         elif how == "raw_rollback":
             await raw.rollback()
+        elif driver == "asyncpg":
+            import asyncpg
+
+            with contextlib.suppress(asyncpg.PostgresError):
+                await raw.execute("SELECT 1 / 0")
         else:
             try:
                 async with raw.pipeline():
@@ -642,7 +656,7 @@ def test_async_misbehaviour_fails_its_message_alone(ledger: Database, how: str) 
             except psycopg.Error:
                 pass
 
-    first, again = run_batch_async(ledger, misbehave)
+    first, again = run_batch_async(ledger, misbehave, driver)
     assert_culprit_alone(ledger, first, again)
 
 
@@ -665,14 +679,17 @@ def test_a_handler_killed_by_the_idle_timeout_fails_alone(
     assert "idle-in-transaction timeout" in (first[1].reason or ""), first[1].reason
 
 
-def test_an_async_handler_killed_by_the_idle_timeout_fails_alone(ledger: Database) -> None:
-    """The same on the asyncio driver: the batch halves to the handler that idled."""
+@pytest.mark.parametrize("driver", ASYNC_PG_DRIVERS)
+def test_an_async_handler_killed_by_the_idle_timeout_fails_alone(
+    ledger: Database, driver: str
+) -> None:
+    """The same on the asyncio drivers: the batch halves to the handler that idled."""
 
     async def misbehave(session: Any, _raw: Any) -> None:
         await session.execute(text("SET LOCAL idle_in_transaction_session_timeout = '100ms'"))
         await asyncio.sleep(0.4)
 
-    first, again = run_batch_async(ledger, misbehave)
+    first, again = run_batch_async(ledger, misbehave, driver)
     assert_culprit_alone(ledger, first, again)
 
 
@@ -685,13 +702,6 @@ def test_a_commit_hidden_by_the_client_encoding_is_refused(ledger: Database, one
     assert_culprit_alone(ledger, first, again)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a keyed Outbox.add is held back to COMMIT and forgotten only on a savepoint "
-    "rollback SQLAlchemy sees; one made through psycopg (raw.transaction(), or SAVEPOINT / "
-    "ROLLBACK TO sent on the raw connection) is not seen: the event the handler undid is "
-    "written and will be published",
-)
 @pytest.mark.parametrize("route", ["psycopg_transaction", "raw_sql"])
 def test_a_keyed_outbox_event_undone_by_a_driver_savepoint_is_not_published(
     ledger: Database, one: Engine, route: str
@@ -725,16 +735,24 @@ def test_a_keyed_outbox_event_undone_by_a_driver_savepoint_is_not_published(
         assert keys == []
 
 
+@pytest.mark.parametrize("driver", ASYNC_PG_DRIVERS)
 def test_an_async_handler_cancelled_mid_statement_leaves_the_connection_sound(
-    ledger: Database,
+    ledger: Database, driver: str
 ) -> None:
     """The application cancels a message's processing (``asyncio.wait_for``) while its
     handler waits on PostgreSQL: nothing of it commits, the guard is off the connection,
     and the next messages on that one pooled connection are processed."""
     insert = insert_sql(ledger)
 
+    def still_guarded(raw: Any) -> list[str]:
+        if driver == "asyncpg":  # asyncpg's class is swapped for a call, then put back
+            import asyncpg
+
+            return [] if type(raw) is asyncpg.Connection else [repr(type(raw))]
+        return [k for k in vars(raw) if k in ("commit", "_consumerdedup_watch")]
+
     async def go() -> tuple[list[Result], list[str]]:
-        engine = create_async_engine(ledger.async_url, pool_size=1, max_overflow=0)
+        engine = async_engine(ledger.url, driver, pool_size=1, max_overflow=0)
         dedup = AsyncDeduplicator(engine, "round7", tables=ledger.tables, retry=FAST)
 
         @dedup.handler
@@ -748,8 +766,7 @@ def test_an_async_handler_cancelled_mid_statement_leaves_the_connection_sound(
                 await asyncio.wait_for(handle.process_batch(msgs("slow")), 0.3)
             results = await handle.process_batch(msgs("ok0", "ok1"))
             async with engine.connect() as conn:
-                raw = (await conn.get_raw_connection()).driver_connection
-                left = [k for k in vars(raw) if k in ("commit", "_consumerdedup_watch")]
+                left = still_guarded((await conn.get_raw_connection()).driver_connection)
             return results, left
         finally:
             await engine.dispose()
@@ -839,14 +856,6 @@ def test_claim_first_records_in_the_claims_schema_whatever_the_search_path(
     assert _rows(engine, f"SELECT mid FROM {a}.ledger") == [("m0",)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check-first: the record's INSERT after the handler follows the search_path the "
-    "handler set (SET LOCAL, through SQLAlchemy or the raw connection): the PROCESSED record "
-    "lands in the other tenant's processed_events (its own message of that id would be "
-    "answered DUPLICATE), none in ours, and the redelivery is RETRY forever ('undecided "
-    "after 23 attempts')",
-)
 @pytest.mark.parametrize("route", ["sqlalchemy", "raw"])
 def test_check_first_records_in_the_lookups_schema_whatever_the_search_path(
     tenants: tuple[Engine, str, str], route: str
@@ -860,29 +869,20 @@ def test_check_first_records_in_the_lookups_schema_whatever_the_search_path(
     assert _rows(engine, f"SELECT mid FROM {a}.ledger") == [("m0",)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="held-back keyed outbox events of an unqualified outbox table: a search_path "
-    "changed through the raw connection is not seen (only SQLAlchemy's cursor events are "
-    "watched for it): the events are written to the other tenant's outbox at COMMIT",
-)
 @pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
 def test_held_back_outbox_events_stay_in_their_schema(
     tenants: tuple[Engine, str, str], claim_first: bool
 ) -> None:
     engine, a, b = tenants
     handle = _tenant_handler(engine, a, b, "raw", claim_first=claim_first, keyed_event=True)
-    handle(Message(id="m0", body=b"{}"))
+    # The path changed through the raw connection while the event was held: as through
+    # SQLAlchemy, the message goes again alone, and again (it always does so): RETRY.
+    assert handle(Message(id="m0", body=b"{}")) is Outcome.RETRY
     assert _rows(engine, f"SELECT key FROM {b}.outbox") == []
+    assert _rows(engine, f"SELECT key FROM {a}.outbox") == []
+    assert _rows(engine, f"SELECT message_id FROM {b}.processed_events") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a thread the handler started rolls the raw connection back after the handler "
-    "returned, before the pipeline's COMMIT: the COMMIT finds no transaction (the driver in "
-    "autocommit for the checkout) and raises nothing, and the message is reported PROCESSED "
-    "with neither its effects nor its record",
-)
 @pytest.mark.parametrize("claim_first", [True, False], ids=["claim", "check"])
 def test_a_rollback_from_the_handlers_thread_before_commit_is_not_reported_processed(
     ledger: Database, one: Engine, claim_first: bool

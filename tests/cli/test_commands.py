@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, insert, inspect, text
 from sqlalchemy.engine import make_url
 
 from consumerdedup import Tables
+from tests.support import mariadb_service
 
 ROOT = Path(__file__).resolve().parents[2]
 UNREACHABLE = "postgresql://alice:s3cr3tpw@127.0.0.1:1/x"
@@ -91,6 +92,13 @@ def pg_target(postgres_url: str) -> Iterator[PgTarget]:
     engine.dispose()
 
 
+@pytest.fixture
+def my_target(mariadb_url: str) -> Iterator[PgTarget]:
+    """MariaDB: a database of its own (a MySQL schema), empty, dropped afterwards."""
+    with mariadb_service.isolated_database(mariadb_url) as name:
+        yield PgTarget(mariadb_service.in_database(mariadb_url, name), name)
+
+
 def table_names(url: str, schema: str | None = None) -> set[str]:
     engine = create_engine(url)
     try:
@@ -125,6 +133,7 @@ def test_init_db_twice_on_postgres(pg_target: PgTarget) -> None:
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",  # the schema version install() records
     }
 
@@ -135,8 +144,79 @@ def test_init_db_twice_on_postgres(pg_target: PgTarget) -> None:
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",  # the schema version install() records
     }
+
+
+def test_init_db_twice_on_mariadb(my_target: PgTarget) -> None:
+    first = cli("init-db", *my_target.options)
+    assert first.code == 0, first.err
+    assert "created" in first.out
+    expected = {
+        "processed_events",
+        "outbox",
+        "idempotency_keys",
+        "consumer_offsets",
+        "consumerdedup_schema",
+    }
+    assert expected <= table_names(my_target.url, my_target.schema)
+    second = cli("init-db", *my_target.options)
+    assert second.code == 0, second.err
+    assert "already present" in second.out and "created" not in second.out
+    doctor = cli("doctor", *my_target.options)
+    assert doctor.code == 0, doctor.out + doctor.err
+    assert "every primary key and unique constraint present" in doctor.out
+
+
+def test_doctor_on_mariadb_checks_the_outbox_key_lock_table(my_target: PgTarget) -> None:
+    """Outbox.add row-locks its key's bucket in <outbox>_key_locks: doctor fails, naming the
+    table and init-db, when the table or a bucket row is missing; a missing relay index
+    is a warn (every relay round reads the whole outbox)."""
+
+    def checks() -> tuple[int, dict[str, dict[str, str]]]:
+        run = cli("doctor", "--json", *my_target.options)
+        return run.code, {c["name"]: c for c in json.loads(run.out)["checks"]}
+
+    assert cli("init-db", *my_target.options).code == 0
+    code, found = checks()
+    assert code == 0 and found["outbox key locks"]["status"] == "ok", found
+    assert found["relay indexes"]["status"] == "ok", found
+    locks = f"{my_target.schema}.outbox_key_locks"
+    engine = create_engine(my_target.url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP INDEX ix_outbox_relay_scan ON {my_target.schema}.outbox"))
+        code, found = checks()
+        assert code == 0 and found["relay indexes"]["status"] == "warn", found  # slower only
+        assert "ix_outbox_relay_scan missing" in found["relay indexes"]["detail"]
+        with engine.begin() as conn:
+            conn.execute(text(f"DELETE FROM {locks} WHERE bucket >= 4000"))
+        code, found = checks()
+        assert code == 1, found
+        assert found["outbox key locks"]["status"] == "FAIL"
+        assert "has 4000 of its 4096 bucket rows" in found["outbox key locks"]["detail"]
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {locks}"))
+        code, found = checks()
+        assert code == 1 and found["outbox key locks"]["status"] == "FAIL", found
+        detail, fix = found["outbox key locks"]["detail"], found["outbox key locks"]["fix"]
+        assert detail.startswith(f"{locks} is missing: every Outbox.add fails"), detail
+        assert "consumerdedup init-db" in fix
+        assert cli("init-db", *my_target.options).code == 0  # the fix it names
+        code, found = checks()
+        assert code == 0 and found["outbox key locks"]["status"] == "ok", found
+        assert found["relay indexes"]["status"] == "ok", found
+    finally:
+        engine.dispose()
+
+
+def test_bare_mysql_url_uses_pymysql(my_target: PgTarget) -> None:
+    options = my_target.options
+    options[1] = options[1].replace("mysql+pymysql://", "mysql://")
+    run = cli("init-db", *options)
+    assert run.code == 0, run.err
+    assert "mysql+pymysql://" in run.out
 
 
 @pytest.mark.postgres
@@ -173,8 +253,8 @@ def test_sql_on_sqlite_creates_no_file(tmp_path: Path) -> None:
     path = tmp_path / "never.db"
     run = cli("init-db", "--sql", "--db", f"sqlite:///{path}")
     assert run.code == 0, run.err
-    # processed_events, outbox, idempotency_keys and the schema version table (bc9a989)
-    assert run.out.count("CREATE TABLE") == 4
+    # processed_events, outbox, idempotency_keys, consumer_offsets, the schema version table
+    assert run.out.count("CREATE TABLE") == 5
     assert "CREATE TABLE consumerdedup_schema" in run.out
     assert not path.exists()
 
@@ -269,13 +349,13 @@ def test_missing_db_is_a_usage_error() -> None:
 def test_invalid_table_name_is_a_usage_error(sqlite_url: str, name: str) -> None:
     run = cli("init-db", "--db", sqlite_url, "--outbox-table", name)
     run.assert_one_line_error(2)
-    assert "invalid table name" in run.err
+    assert "expected a table name" in run.err
 
 
 def test_unsupported_database_is_a_usage_error() -> None:
-    run = cli("init-db", "--db", "mysql+pymysql://root:hunter22@localhost/app")
+    run = cli("init-db", "--db", "mssql+pymssql://sa:hunter22@localhost/app")
     run.assert_one_line_error(2, "hunter22")
-    assert "mysql" in run.err
+    assert "mssql" in run.err and "mysql+pymysql" in run.err
 
 
 def test_missing_driver_is_a_usage_error() -> None:
@@ -369,6 +449,13 @@ def test_stats_on_postgres(pg_target: PgTarget) -> None:
     tables = Tables.define(f"{pg_target.schema}.processed_events", f"{pg_target.schema}.outbox")
     seed(pg_target.url, tables)
     check_stats(pg_target.options, tables)
+
+
+def test_stats_on_mariadb(my_target: PgTarget) -> None:
+    assert cli("init-db", *my_target.options).code == 0
+    tables = Tables.define(f"{my_target.schema}.processed_events", f"{my_target.schema}.outbox")
+    seed(my_target.url, tables)
+    check_stats(my_target.options, tables)
 
 
 def test_stats_of_empty_tables(sqlite_url: str) -> None:

@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import getpass
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
 from consumerdedup import OutboxRelay
-from tests.conftest import Database
+from tests.conftest import Database, database
 from tests.outbox.test_outbox import FlakyPublisher, add_events, outbox_rows
 from tests.outbox.test_parked import config, park_p1, published
 from tests.support.cli import Cli, cli_fixture  # noqa: F401
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, request.param, tmp_path)
 
 
 def test_list_show_replay_abandon_and_stats(db: Database, cli: Cli) -> None:

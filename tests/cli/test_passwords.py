@@ -29,7 +29,10 @@ def test_a_one_letter_password_is_masked_in_the_url_only(postgres_url: str, sche
     run = cli("init-db", "--db", given, *tables)
     assert run.code == 0, run.err
     expected = url.set(drivername="postgresql+psycopg").render_as_string(hide_password=True)
-    assert run.out == f"created {schema}.pe, {schema}.ob, {schema}.idempotency_keys ({expected})\n"
+    assert run.out == (
+        f"created {schema}.pe, {schema}.ob, {schema}.idempotency_keys, {schema}.consumer_offsets "
+        f"({expected})\n"
+    )
     assert ":***@" in expected
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -124,7 +125,40 @@ class Runner(Protocol):
     def run(self, *, until_idle: bool = False) -> Any:
         """None, or a coroutine for an asyncio runner."""
 
-    def stop(self) -> None: ...
+    def stop(self, deadline: float | None = None) -> None: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def last_tick(self) -> float: ...
+
+
+def until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class Running:
+    """A runner running in the background (a thread, or the harness's event loop)."""
+
+    def __init__(self, runner: Runner, finished: Callable[[float], bool]) -> None:
+        self.runner = runner
+        self._finished = finished
+
+    def wait(self, timeout: float = 30.0) -> bool:
+        """True once ``run()`` has returned (its error, if any, raised here)."""
+        return self._finished(timeout)
+
+    def stop(self, deadline: float | None = None) -> None:
+        """stop() and wait for run() to return."""
+        self.runner.stop(deadline)
+        assert self.wait(30), "the runner did not stop"
 
 
 class RunnerHarness:
@@ -183,24 +217,50 @@ class RunnerHarness:
 
     def start(self, behavior: Behavior, *, batch_size: int = 1) -> Callable[[], None]:
         """Run a fresh runner in the background; returns a function that stops it and waits."""
-        runner = self._fresh(behavior, batch_size, None, None)
+        return self.launch(self.fresh(behavior, batch_size=batch_size)).stop
+
+    def fresh(self, behavior: Behavior, *, batch_size: int = 1) -> Runner:
+        """A fresh runner of the broker's usual handler kind, not started."""
+        return self._fresh(behavior, batch_size, None, None)
+
+    def launch(self, runner: Runner) -> Running:
+        """Run ``runner`` in the background until it is stopped."""
         if inspect.iscoroutinefunction(runner.run):
-            running = asyncio.run_coroutine_threadsafe(runner.run(), self.loop)
+            future = asyncio.run_coroutine_threadsafe(runner.run(), self.loop)
 
-            def stop() -> None:
-                runner.stop()
-                running.result(30)
+            def finished(timeout: float) -> bool:
+                try:
+                    future.result(timeout)
+                except TimeoutError:
+                    return False
+                return True
 
-        else:
-            thread = threading.Thread(target=runner.run, daemon=True)
-            thread.start()
+            return Running(runner, finished)
+        failure: list[BaseException] = []
 
-            def stop() -> None:
-                runner.stop()
-                thread.join(30)
-                assert not thread.is_alive(), "the runner did not stop"
+        def run() -> None:
+            try:
+                runner.run()
+            except BaseException as exc:
+                failure.append(exc)
 
-        return stop
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+
+        def joined(timeout: float) -> bool:
+            thread.join(timeout)
+            if failure:
+                raise failure[0]
+            return not thread.is_alive()
+
+        return Running(runner, joined)
+
+    def run_here(self, runner: Runner) -> None:
+        """Run ``runner`` until stopped with the calling thread waiting on it: the runner
+        itself for a blocking one, its future on the harness's loop for an asyncio one."""
+        done = runner.run()
+        if inspect.iscoroutine(done):
+            self.call(done)
 
     def _fresh(
         self,

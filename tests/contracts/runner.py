@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
-from consumerdedup import Message, PermanentError, RetryLater, SimulatedCrash
+from consumerdedup import CircuitOpen, Message, PermanentError, RetryLater, SimulatedCrash
 from tests.contracts.harness import RunnerHarness as Harness
+from tests.contracts.harness import ledger_handler, until
+from tests.support.tcp_proxy import Proxy
 
 
 def body(amount: int = 1, **controls: Any) -> bytes:
@@ -34,6 +42,10 @@ class Ledger:
         self.table = db.create_ledger()
         self.calls: list[str] = []
         self._lock = threading.Lock()
+        self.entered = threading.Event()
+        """A handler holding (``hold=True``) has started."""
+        self.release = threading.Event()
+        """Lets a holding handler go on."""
 
     def behavior(self, message: Message) -> list[tuple[str, dict[str, Any]]]:
         data = message.json()
@@ -48,6 +60,9 @@ class Ledger:
             raise RetryLater(f"try {seen} refused")
         if data.get("slow"):
             time.sleep(data["slow"])
+        if data.get("hold") and seen == 1:  # a handler stuck until the test lets it go
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the handler"
         return [
             (
                 f"INSERT INTO {self.table} (account, amount, message_id) VALUES ('a', :n, :m)",
@@ -163,6 +178,20 @@ class RunnerContract:
         assert dead_id == "m-2" and "poison: refused by the handler" in reason
         assert harness.held() == 0
 
+    def test_a_handler_failing_every_message_alike_stops_the_runner_and_the_rest_stay(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        """The circuit breaker at its default (10): a broken deploy dead-letters ten, not all."""
+        for n in range(1, 15):
+            harness.publish(f"m-{n}", body(n, fail="permanent"))
+        with pytest.raises(CircuitOpen, match="10 messages in a row failed with"):
+            harness.consume(ledger.behavior, batch_size=5)
+        assert [dead_id for dead_id, _ in harness.dead_letters()] == [
+            f"m-{n}" for n in range(1, 11)
+        ]
+        assert harness.held() == 4 and ledger.applied() == []
+        assert set(ledger.calls) <= {f"m-{n}" for n in range(1, 12)}  # one more tried at most
+
     def test_a_malformed_message_is_dead_lettered_not_guessed(
         self, harness: Harness, ledger: Ledger, caplog: pytest.LogCaptureFixture
     ) -> None:
@@ -268,3 +297,155 @@ class RunnerContract:
             assert ledger.applied() == ids  # nothing behind m-04 committed before it
         assert harness.held() == 0
         assert harness.dead_letters() == []
+
+    # The lifecycle contract (its sentences: the second list in consumerdedup/lifecycle.py).
+
+    def test_ready_once_consuming_and_not_after_run_returns(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        runner = harness.fresh(ledger.behavior)
+        assert not runner.ready  # not before run(): no start checks passed yet
+        running = harness.launch(runner)
+        assert until(lambda: runner.ready), "never ready"
+        harness.publish("m-1", body(1))
+        assert until(lambda: ledger.applied() == ["m-1"])
+        running.stop()
+        assert not runner.ready
+        assert harness.held() == 0
+
+    def test_a_database_away_at_start_is_waited_for(
+        self, harness: Harness, ledger: Ledger, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        if harness.db.dialect != "postgresql":
+            # The weaker promise: a file has no server to be away, so the checks pass at once.
+            self._checks_pass_at_once(harness, ledger, caplog)
+            return
+        url = make_url(harness.db.url)
+        proxy = Proxy(url.host or "127.0.0.1", url.port or 5432)
+        proxy.cut()  # the database is away: every connection refused
+        through = url.set(host="127.0.0.1", port=proxy.port)
+        engine = create_engine(through, poolclass=NullPool)
+        as_async = make_url(harness.db.async_url).set(host="127.0.0.1", port=proxy.port)
+        away = replace(harness.db, engine=engine, async_url=as_async.render_as_string(False))
+        handler = ledger_handler(
+            away, ledger.behavior, harness.told, asyncio=harness.asyncio_by_default
+        )
+        harness.publish("m-1", body(1))
+        runner = harness.runner(handler, batch_size=1, before_ack=None)
+        caplog.set_level(logging.WARNING, logger="consumerdedup.lifecycle")
+        running = harness.launch(runner)
+        try:
+            # It retries with backoff and ticks, neither ready nor consuming nor ended.
+            tries = lambda: caplog.text.count("database not reachable at start")  # noqa: E731
+            assert until(lambda: runner.ready or tries() >= 2, 30), "checks not tried again"
+            assert not runner.ready, "ready while its database is away"
+            seen = runner.last_tick
+            assert until(lambda: runner.last_tick > seen, 10), "no tick while waiting"
+            assert not running.wait(0)  # run() still runs
+            assert ledger.applied() == [] and harness.held() == 1
+            proxy.restore()
+            assert until(lambda: runner.ready, 60), "not ready once the database was back"
+            assert until(lambda: ledger.applied() == ["m-1"])
+        finally:
+            running.stop()
+            proxy.cut()
+            engine.dispose()
+        assert harness.held() == 0
+
+    def _checks_pass_at_once(
+        self, harness: Harness, ledger: Ledger, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        harness.publish("m-1", body(1))
+        runner = harness.fresh(ledger.behavior)
+        caplog.set_level(logging.WARNING, logger="consumerdedup.lifecycle")
+        running = harness.launch(runner)
+        try:
+            assert until(lambda: runner.ready), "not ready on an embedded database"
+            assert until(lambda: ledger.applied() == ["m-1"])
+            assert "database not reachable at start" not in caplog.text
+        finally:
+            running.stop()
+        assert harness.held() == 0
+
+    def test_the_loop_ticks_while_idle_and_not_while_a_handler_hangs(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        runner = harness.fresh(ledger.behavior)
+        running = harness.launch(runner)
+        try:
+            assert until(lambda: runner.ready)
+            # Idle, nothing published: the tick moves all the same; note its longest gap.
+            gaps, last = [], runner.last_tick
+            while len(gaps) < 5:
+                assert until(lambda last=last: runner.last_tick > last, 10), "no tick when idle"
+                gaps.append(runner.last_tick - last)
+                last = runner.last_tick
+            harness.publish("m-1", body(1, hold=True))
+            assert ledger.entered.wait(30)
+            stuck = runner.last_tick
+            # An observation, not a wait for a condition: several idle gaps without a tick.
+            time.sleep(max(5 * max(gaps), 0.5))
+            assert runner.last_tick == stuck, "the tick moved while the handler hung"
+            ledger.release.set()
+            assert until(lambda: ledger.applied() == ["m-1"])
+            assert until(lambda: runner.last_tick > stuck)
+        finally:
+            ledger.release.set()
+            running.stop()
+        assert harness.held() == 0
+
+    def test_stop_from_a_signal_handler_finishes_the_batch_and_loses_nothing(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        """The host's main thread runs the runner (a blocking one itself) and its signal
+        handler calls stop(): no lock may be taken there, or the main thread deadlocks."""
+        total = 40
+        for i in range(total):
+            harness.publish(f"m-{i:03d}", body(1, slow=0.02))
+        size = 4 if harness.capabilities.batches else 1
+        runner = harness.fresh(ledger.behavior, batch_size=size)
+
+        def kill_when_busy() -> None:
+            if until(lambda: len(ledger.applied()) >= 8):
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        previous = signal.signal(signal.SIGUSR1, lambda signum, frame: runner.stop())
+        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        try:
+            killer.start()
+            harness.run_here(runner)  # returns once the signal's stop() is done
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+            killer.join(30)
+        applied = ledger.applied()
+        assert 8 <= len(applied) < total, "stopped too late to test anything"
+        assert harness.held() == total - len(applied)  # every committed message was acked
+        harness.consume(ledger.behavior)
+        assert sorted(ledger.applied()) == [f"m-{i:03d}" for i in range(total)]
+        assert harness.held() == 0
+
+    def test_past_the_stop_deadline_nothing_more_is_acked(
+        self, harness: Harness, ledger: Ledger
+    ) -> None:
+        harness.publish("m-1", body(1, hold=True))
+        harness.publish("m-2", body(2))
+        running = harness.launch(harness.fresh(ledger.behavior))
+        assert ledger.entered.wait(30)
+        running.runner.stop(deadline=0.0)  # the deadline is now, the handler still hangs
+        ledger.release.set()
+        assert running.wait(30), "run() did not return after its deadline"
+        assert ledger.applied() in ([], ["m-1"])  # committed or rolled back...
+        assert harness.held() == 2  # ...but not acked, and m-2 was not taken
+        harness.consume(ledger.behavior)
+        assert sorted(ledger.applied()) == ["m-1", "m-2"]  # each once
+        assert harness.held() == 0
+
+    def test_run_installs_no_signal_handler(self, harness: Harness, ledger: Ledger) -> None:
+        watched = (signal.SIGTERM, signal.SIGINT)
+        before = [signal.getsignal(sig) for sig in watched]
+        runner = harness.fresh(ledger.behavior)
+        running = harness.launch(runner)
+        assert until(lambda: runner.ready)
+        assert [signal.getsignal(sig) for sig in watched] == before  # the host keeps its own
+        running.stop()
+        assert [signal.getsignal(sig) for sig in watched] == before

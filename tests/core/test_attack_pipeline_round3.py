@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from consumerdedup import (
     AsyncDeduplicator,
@@ -28,7 +29,8 @@ from consumerdedup import (
     Result,
     RetryPolicy,
 )
-from tests.conftest import Database
+from tests.conftest import Database, postgres_database
+from tests.support.private_postgres import private_postgres
 
 FAST = RetryPolicy(attempts=3, initial_delay=timedelta(0), max_delay=timedelta(0))
 MODES = [("sync", True), ("sync", False), ("async", True), ("async", False)]
@@ -182,6 +184,29 @@ def test_ordered_failures_behind_a_retry_are_held_back(
     assert _records(db) == 1
 
 
+TINY_LOCK_TABLE = {
+    "max_connections": 8,
+    "superuser_reserved_connections": 0,
+    "max_locks_per_transaction": 10,
+    "autovacuum": "off",
+    "max_worker_processes": 0,
+    "max_wal_senders": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_lock_table_url() -> Iterator[str]:
+    """A private server: filling the shared one's lock table fails every other transaction
+    on it (the parallel tests' own, seen as "out of shared memory" in their set-up)."""
+    with private_postgres(TINY_LOCK_TABLE) as url:
+        yield url
+
+
+@pytest.fixture
+def pg_partitioned(tiny_lock_table_url: str) -> Iterator[Database]:
+    yield from postgres_database(tiny_lock_table_url, partitioned=True)
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize(("kind", "claim_first"), [("sync", True), ("async", False)])
 def test_a_partitioned_claim_past_the_lock_table_halves_and_completes(
@@ -190,7 +215,7 @@ def test_a_partitioned_claim_past_the_lock_table_halves_and_completes(
     """One advisory lock per key, held to the end of the transaction: a batch larger than
     the server's lock table (max_locks_per_transaction x connections) fails our lock
     statement with 53200. Halved until it fits, never retried as is (every message RETRY
-    on every redelivery)."""
+    on every redelivery). On a private server with a tiny lock table."""
     with pg_partitioned.engine.connect() as conn:
         slots = conn.exec_driver_sql(
             "SELECT current_setting('max_locks_per_transaction')::int * "
@@ -198,8 +223,17 @@ def test_a_partitioned_claim_past_the_lock_table_halves_and_completes(
             "current_setting('max_prepared_transactions')::int)"
         ).scalar_one()
     messages = [Message(id=f"k{n}", body=b"{}") for n in range(2 * slots + 1000)]
+    refused: list[str] = []
+    if kind == "sync":  # the async engine is _process's own
+
+        @event.listens_for(pg_partitioned.engine, "handle_error")
+        def seen(context: Any) -> None:
+            refused.append(getattr(context.original_exception, "sqlstate", None) or "")
+
     dead: list[Result] = []
     results = _process(pg_partitioned, kind, claim_first, lambda m, run: None, messages, dead)
+    if kind == "sync":
+        assert "53200" in refused, "the batch fitted the lock table: the test proves nothing"
     outcomes = {r.outcome for r in results}
     assert outcomes == {Outcome.PROCESSED}, {r.reason for r in results}
     assert _records(pg_partitioned) == len(messages) and dead == []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import types
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -349,8 +348,9 @@ SHIPPED = {
     "sqlite": ["pysqlite", "aiosqlite", "pysqlcipher"],
 }
 """Every postgresql+* and sqlite+* driver SQLAlchemy ships (sqlalchemy.dialects registry)."""
-TESTED = {"psycopg", "psycopg_async", "pysqlite", "aiosqlite"}
-"""Driven by every pipeline test through the fixtures (postgresql+psycopg, sqlite, aiosqlite)."""
+TESTED = {"psycopg", "psycopg_async", "pysqlite", "aiosqlite", "asyncpg"}
+"""Driven by every pipeline test through the fixtures (postgresql+psycopg, sqlite, aiosqlite,
+and postgresql+asyncpg: the asyncpg flavors)."""
 
 
 @pytest.mark.parametrize(
@@ -364,7 +364,10 @@ def test_every_shipped_driver_is_supported_with_tests_or_refused(dialect: str, d
         assert f"{dialect}+{name}" in README.read_text()
         return
     assert name not in SUPPORTED_DRIVERS[dialect]
-    engine: Any = create_mock_engine(URL.create(f"{dialect}+{driver}"), lambda *a, **k: None)
+    # An Engine (Deduplicator refuses anything else) with that driver's dialect: the driver
+    # itself need not be installed for the refusal.
+    engine: Any = create_engine("sqlite://")
+    engine.dialect = create_mock_engine(URL.create(f"{dialect}+{driver}"), print).dialect
     with pytest.raises(ConfigurationError, match=rf"{dialect}\+{name} is not supported"):
         Deduplicator(engine, "c")
     assert f"{dialect}+{name}" in README.read_text(), "docs/consumers.md lists refused drivers too"
@@ -390,12 +393,42 @@ def test_the_list_of_shipped_drivers_is_complete() -> None:
                     assert found.driver in listed, (module.__name__, found.driver)
 
 
-def test_an_asyncpg_engine_is_refused_by_the_async_deduplicator() -> None:
-    """The reported case: asyncpg raises nothing at a COMMIT PostgreSQL answered with ROLLBACK."""
-    dbapi = types.SimpleNamespace(paramstyle="numeric_dollar", Error=Exception)
-    engine = create_async_engine("postgresql+asyncpg://u@127.0.0.1/test", module=dbapi)
-    with pytest.raises(ConfigurationError, match=r"postgresql\+psycopg"):
-        AsyncDeduplicator(engine, "c")
+def test_an_asyncpg_engine_over_another_module_is_refused_before_any_statement(
+    pg: Database,
+) -> None:
+    """asyncpg raises nothing at a COMMIT PostgreSQL answered with ROLLBACK: it is supported
+    because the guard verifies with the server (tests/attacks/test_asyncpg_verification.py).
+    A connection that is not asyncpg's own cannot be verified: refused, nothing claimed."""
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    class Wrapped:  # a tracing proxy around asyncpg's connection
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    async def creator() -> Any:
+        return Wrapped(await asyncpg.connect(plain))
+
+    async def nothing(message: Message, session: Any) -> None:
+        pass
+
+    plain = make_url(pg.url).set(drivername="postgresql").render_as_string(False)
+    engine = create_async_engine("postgresql+asyncpg://", async_creator=creator)
+
+    async def go() -> None:
+        try:
+            dedup = AsyncDeduplicator(engine, "c", tables=pg.tables, retry=FAST)
+            handle = dedup.handler(nothing)
+            with pytest.raises(ConfigurationError, match="does not report"):
+                await handle.process(order("m1"))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(go())
+    assert records(pg) == []
 
 
 # 5. Handlers whose call does not run their body -----------------------------------------------

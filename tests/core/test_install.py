@@ -24,9 +24,12 @@ from sqlalchemy import Connection, Engine, create_engine, delete, event, insert,
 from consumerdedup import ConfigurationError, Tables, install
 from consumerdedup.schema import SCHEMA_VERSION, SchemaLocked, installed_version
 
-WAIT_LIMIT = 3.0
+WAIT_LIMIT = 15.0
 """Seconds an install() that should not wait may take; the sessions' own lock_timeout
-and statement_timeout (5 s) make a regression fail instead of hanging."""
+and statement_timeout (``GUARD``, 30 s) make a regression fail instead of hanging. A
+regression that waits on the held lock waits out the whole 30 s, twice the limit: the
+limit is a generous bound, not a race with the machine's load (it was 3 s against 5 s)."""
+GUARD = "30s"
 
 
 @pytest.fixture
@@ -40,9 +43,9 @@ def pg_tables(schema: str, partitioned: bool = False) -> Tables:
 
 
 def bounded(conn: Connection) -> None:
-    """This session waits at most 5 s for a lock or a statement: a hang is a failure."""
-    conn.exec_driver_sql("SET lock_timeout = '5s'")
-    conn.exec_driver_sql("SET statement_timeout = '5s'")
+    """This session waits at most 30 s for a lock or a statement: a hang is a failure."""
+    conn.exec_driver_sql(f"SET lock_timeout = '{GUARD}'")
+    conn.exec_driver_sql(f"SET statement_timeout = '{GUARD}'")
 
 
 def snapshot(conn: Connection, schema: str) -> dict[str, Any]:
@@ -131,8 +134,8 @@ def test_install_twice_sends_only_reads_and_changes_nothing(
         install(conn, tables)
         conn.rollback()
     assert statements.changes() == [
-        "SET lock_timeout = '5s'",
-        "SET statement_timeout = '5s'",
+        f"SET lock_timeout = '{GUARD}'",
+        f"SET statement_timeout = '{GUARD}'",
         "SET TRANSACTION READ ONLY",
     ]
     with pg_engine.connect() as conn:

@@ -272,15 +272,27 @@ def test_failed_logs_its_traceback_at_error(
     def handle(message: Message, session: Session) -> None:
         read_amount(message.json())
 
+    def traced(line: str) -> None:
+        assert "Traceback (most recent call last):" in line
+        assert "in read_amount" in line and 'return int(body["amount"])' in line
+        assert "KeyError: 'amount'" in line
+        assert "direct cause of the following exception" in line
+        assert line.rstrip().endswith("PermanentError: no amount")
+
     assert handle(msg("bad")) is Outcome.FAILED
     (record,) = ours(caplog)
     line = record.getMessage()
     assert record.levelno == logging.ERROR and "reason=PermanentError: no amount" in line
-    assert "Traceback (most recent call last):" in line
-    assert "in read_amount" in line and 'return int(body["amount"])' in line
-    assert "KeyError: 'amount'" in line
-    assert "direct cause of the following exception" in line
-    assert line.rstrip().endswith("PermanentError: no amount")
+    # Said once, as it happened: on the failed attempt's line, not again on the FAILED one.
+    (attempt,) = [r for r in caplog.records if r.name == "consumerdedup.attempts"]
+    traced(attempt.getMessage())
+    assert "Traceback" not in line
+    # With the attempt lines quieted, the FAILED line carries it.
+    caplog.clear()
+    caplog.set_level(logging.ERROR, logger="consumerdedup.attempts")
+    assert handle(msg("bad-2")) is Outcome.FAILED
+    (record,) = ours(caplog)
+    traced(record.getMessage())
 
 
 def test_quiet_logger_logs_only_problems(db: Database, caplog: pytest.LogCaptureFixture) -> None:

@@ -88,14 +88,14 @@ BAD_NAMES: list[Any] = [
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
 def test_bad_processed_events_name_is_a_configuration_error(name: Any) -> None:
-    with pytest.raises(ConfigurationError, match="invalid table name") as caught:
+    with pytest.raises(ConfigurationError, match="expected a table name") as caught:
         Tables.define(processed_events=name)
     assert isinstance(caught.value, ValueError)
 
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
 def test_bad_outbox_name_is_a_configuration_error(name: Any) -> None:
-    with pytest.raises(ValueError, match="invalid table name") as caught:
+    with pytest.raises(ValueError, match="expected a table name") as caught:
         Tables.define(outbox=name)
     assert isinstance(caught.value, ConfigurationError)
 
@@ -125,7 +125,13 @@ def test_every_name_define_accepts_installs_on_postgresql(
     tables = Tables.define(f"{pg_schema}.{LONGEST}", f"{pg_schema}.{'y' * 63}")
     install(pg_engine, tables)
     names = set(inspect(pg_engine).get_table_names(schema=pg_schema))
-    assert names == {LONGEST, "y" * 63, "idempotency_keys", "consumerdedup_schema"}
+    assert names == {
+        LONGEST,
+        "y" * 63,
+        "idempotency_keys",
+        "consumer_offsets",
+        "consumerdedup_schema",
+    }
 
 
 # The user's own MetaData (what Alembic autogenerate compares against)
@@ -142,6 +148,7 @@ def test_define_onto_the_users_metadata(sqlite_engine: Engine) -> None:
         "dedup_seen",
         "dedup_outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
     assert metadata.tables["dedup_seen"] is tables.processed_events
@@ -153,6 +160,7 @@ def test_define_onto_the_users_metadata(sqlite_engine: Engine) -> None:
         "dedup_seen",
         "dedup_outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
 
@@ -165,6 +173,7 @@ def test_default_tables_do_not_land_in_a_users_metadata() -> None:
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
 
@@ -195,6 +204,7 @@ def test_install_twice_on_postgresql_creates_the_schema_and_keeps_data(
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
     with pg_engine.begin() as conn:
@@ -214,6 +224,7 @@ def test_install_on_a_connection_joins_its_transaction(pg_engine: Engine, pg_sch
             "processed_events",
             "outbox",
             "idempotency_keys",
+            "consumer_offsets",
             "consumerdedup_schema",
         }
         conn.rollback()
@@ -225,6 +236,7 @@ def test_install_on_a_connection_joins_its_transaction(pg_engine: Engine, pg_sch
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
 
@@ -238,6 +250,7 @@ def test_install_on_a_sqlite_connection(sqlite_engine: Engine) -> None:
         "seen",
         "out",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
 
@@ -300,6 +313,7 @@ def test_ddl_on_postgresql_creates_the_schema_first_and_runs_as_printed(
         "seen",
         "out",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
 
@@ -316,6 +330,7 @@ def test_ddl_on_sqlite_runs_as_printed(sqlite_engine: Engine) -> None:
         "processed_events",
         "outbox",
         "idempotency_keys",
+        "consumer_offsets",
         "consumerdedup_schema",
     }
 

@@ -32,6 +32,7 @@ from consumerdedup import (
     Tables,
     install,
 )
+from consumerdedup.testing import MemoryBroker
 from tests.conftest import Database
 
 
@@ -71,7 +72,7 @@ def test_the_deduplicators_and_the_relay_refuse_a_translated_engine(
     with pytest.raises(ConfigurationError, match="schema_translate_map"):
         Deduplicator(engine, "translated", tables=pg.tables)
     with pytest.raises(ConfigurationError, match="schema_translate_map"):
-        OutboxRelay(engine, object(), tables=pg.tables)  # type: ignore[arg-type]
+        OutboxRelay(engine, MemoryBroker(), tables=pg.tables)
     with pytest.raises(ConfigurationError, match="schema_translate_map"):
         Pruner(engine, retention=timedelta(days=7), tables=pg.tables)
     async_engine = create_async_engine(pg.async_url).execution_options(

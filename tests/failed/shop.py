@@ -126,12 +126,14 @@ class RabbitShop(Shop):
 class KafkaShop(Shop):
     """The shop on a Kafka topic (with its ``.dlq`` topic); ``kafka_shop`` makes one."""
 
-    def __init__(self, db: Database, kafka: KafkaService, topic: str) -> None:
+    def __init__(
+        self, db: Database, kafka: KafkaService, topic: str, offsets: str = "broker"
+    ) -> None:
         super().__init__(db)
-        self.kafka, self.topic = kafka, topic
+        self.kafka, self.topic, self.offsets = kafka, topic, offsets
 
     async def consume(self) -> None:
-        config = self.kafka.config(poll_timeout=timedelta(milliseconds=100))
+        config = self.kafka.config(poll_timeout=timedelta(milliseconds=100), offsets=self.offsets)
         runner = KafkaConsumerRunner(
             self.handler(),
             self.topic,
@@ -145,9 +147,12 @@ class KafkaShop(Shop):
         return ["replay", "--kafka", self.kafka.bootstrap, "--topic", self.topic]
 
 
-async def kafka_shop(db: Database, kafka: KafkaService, topics: Topics) -> KafkaShop:
-    """A new topic holding the five orders (each with a ``trace`` header), and its shop."""
+async def kafka_shop(
+    db: Database, kafka: KafkaService, topics: Topics, offsets: str = "broker"
+) -> KafkaShop:
+    """A new topic holding the five orders (each with a ``trace`` header), and its shop;
+    ``offsets``: its runners' ``KafkaConfig.offsets``."""
     topic = await topics.create("shop")
     for n, message_id in enumerate(IDS, 1):
         await topics.produce(topic, order(n), event_id=message_id, headers=[("trace", b"t")])
-    return KafkaShop(db, kafka, topic)
+    return KafkaShop(db, kafka, topic, offsets)

@@ -4,12 +4,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
-from tests.conftest import Database
+from tests.conftest import Database, database
 from tests.failed.test_records import add
 from tests.support.cli import Cli, cli_fixture  # noqa: F401
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, request.param, tmp_path)
 
 
 def left(db: Database) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""list_failed / show / forget on SQLite, PostgreSQL and the partitioned table."""
+"""list_failed / show / forget on SQLite, PostgreSQL, the partitioned table and MariaDB."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.conftest import Database, database
 NOW = datetime.now(UTC).replace(microsecond=0)
 
 
-@pytest.fixture(params=["sqlite", "postgresql", "postgresql-partitioned"])
+@pytest.fixture(params=["sqlite", "postgresql", "postgresql-partitioned", "mariadb"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     yield from database(request, request.param, tmp_path)
 

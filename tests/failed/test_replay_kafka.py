@@ -1,6 +1,7 @@
 """A bad deploy on Kafka (Tansu), recovered with ``failed replay --kafka``: the dead-letter
 topic's records re-produced to their source topic, the replay group's offsets on the DLQ
-committed after; a replay killed between a copy's ack and the commit doubles nothing."""
+committed after; a replay killed between a copy's ack and the commit doubles nothing. With
+the runner's offsets in the broker and in the database (issue 36)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from tests.support.kafka_service import (  # noqa: F401
 )
 
 
-@pytest.fixture
-async def shop(pg: Database, kafka: KafkaService, topics: Topics) -> KafkaShop:
-    shop = await kafka_shop(pg, kafka, topics)
+@pytest.fixture(params=["broker", "database"])
+async def shop(
+    request: pytest.FixtureRequest, pg: Database, kafka: KafkaService, topics: Topics
+) -> KafkaShop:
+    shop = await kafka_shop(pg, kafka, topics, request.param)
     await shop.consume()  # the bad deploy: every order FAILED, dead-lettered
     assert shop.outcomes() == dict.fromkeys(IDS, "failed") and shop.applied() == []
     assert len(await topics.records(shop.topic + ".dlq")) == 5

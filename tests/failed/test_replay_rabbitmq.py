@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import Database
+from tests.conftest import Database, database
 from tests.failed.shop import IDS, RabbitShop
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 
@@ -23,9 +25,15 @@ def wait_for(shop: RabbitShop, queue: str, count: int) -> None:
         time.sleep(0.05)
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """The shop's database: PostgreSQL, and MariaDB (issue 34: the same tools on MySQL)."""
+    yield from database(request, request.param, tmp_path)
+
+
 @pytest.fixture
-def shop(pg: Database, rabbit: Broker) -> RabbitShop:
-    shop = RabbitShop(pg, rabbit)
+def shop(db: Database, rabbit: Broker) -> RabbitShop:
+    shop = RabbitShop(db, rabbit)
     shop.consume()  # the bad deploy: every order FAILED, dead-lettered
     assert shop.outcomes() == dict.fromkeys(IDS, "failed")
     assert shop.rabbit.ready(shop.queue + ".dlq") == 5 and shop.applied() == []

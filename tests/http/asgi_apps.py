@@ -21,6 +21,12 @@ which is what the tests count. Routes (POST unless said; principal = X-User):
 CDD_HTTP_LOG: a file for the consumerdedup log lines (INFO).
   /patchable     POST and PATCH deduplicated; PATCH /payments passes through
   GET /payments  passes through
+  /validated     422 unless the JSON body has "amount" (422 not stored: unstored_statuses);
+                 /validated-stored the same with the default policy (the 422 is stored)
+  /lease?block=S blocks the event loop S seconds (time.sleep), as a sync call in an
+                 async endpoint does: the lease cannot be renewed meanwhile
+CDD_HTTP_METRICS=1: OpenTelemetry metrics into an in-memory reader (telemetry.instrument);
+  GET /lease-expired-count answers consumerdedup.http.lease_expired's sum.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,6 +76,8 @@ POLICY = IdempotencyPolicy.of(
         "/tx/big": RoutePolicy(required=True, transactional=True),
         "/small": RoutePolicy(required=True, max_request_body=1024),
         "/patchable": RoutePolicy(methods=frozenset({"POST", "PATCH"})),
+        "/validated": RoutePolicy(required=True, unstored_statuses=frozenset({422})),
+        "/validated-stored": REQUIRED,
     }
 )
 BIG = 2 * 1024 * 1024
@@ -106,8 +115,10 @@ class Backend:
         self.engine: Engine | AsyncEngine
         if os.environ.get("CDD_HTTP_ASYNC") == "1":
             parsed = make_url(url)
-            driver = "sqlite+aiosqlite" if parsed.get_backend_name() == "sqlite" else None
-            async_url = parsed.set(drivername=driver or "postgresql+psycopg")
+            backend = parsed.get_backend_name()
+            driver = "sqlite+aiosqlite" if backend == "sqlite" else None
+            asyncio_driver = "mysql+aiomysql" if backend == "mysql" else "postgresql+psycopg"
+            async_url = parsed.set(drivername=driver or asyncio_driver)
             self.engine = (
                 create_async_engine(async_url, pool_size=30, max_overflow=10)
                 if (driver is None)
@@ -202,6 +213,9 @@ def make_raw(backend: Backend) -> Any:
         if path == "/health":
             await _answer(send, 200, {"ok": True})
             return
+        if path == "/lease-expired-count":  # GET: passes through the middleware
+            await _answer(send, 200, {"count": lease_expired_count()})
+            return
         session = scope.get(SESSION_KEY)
         if path.startswith("/tx/"):
             if session is None:
@@ -222,12 +236,16 @@ def make_raw(backend: Backend) -> Any:
             await asyncio.Event().wait()
         if "sleep" in query:
             await asyncio.sleep(float(query["sleep"]))
+        if "block" in query:
+            time.sleep(float(query["block"]))  # blocks the event loop, on purpose
         sha = hashlib.sha256(body).hexdigest()
         document = {"run": run, "sha256": sha, "bytes": len(body), "principal": principal}
         if path == "/fail" or query.get("status") == "500":
             await _answer(send, 500, {"run": run, "error": "boom"})
         elif path == "/reject":
             await _answer(send, 400, {"run": run, "error": "bad amount"})
+        elif path in ("/validated", "/validated-stored") and b'"amount"' not in body:
+            await _answer(send, 422, {"run": run, "error": "amount: field required"})
         elif path in ("/big", "/tx/big"):
             await send({"type": "http.response.start", "status": 200, "headers": []})
             for i in range(4):
@@ -279,7 +297,39 @@ async def _delegate(raw: Any, request: Request) -> Response:
     return Response(content, status_code=start["status"], headers=headers)
 
 
+_METRICS: list[Any] = []  # the in-memory reader, when CDD_HTTP_METRICS=1
+
+
+def instrument_from_env() -> None:
+    """CDD_HTTP_METRICS=1: consumerdedup's OpenTelemetry metrics into an in-memory reader."""
+    if os.environ.get("CDD_HTTP_METRICS") != "1":
+        return
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from consumerdedup.telemetry import instrument
+
+    reader = InMemoryMetricReader()
+    instrument(meter_provider=MeterProvider(metric_readers=[reader]))
+    _METRICS.append(reader)
+
+
+def lease_expired_count() -> int:
+    """The sum of consumerdedup.http.lease_expired so far (0 without metrics)."""
+    if not _METRICS:
+        return 0
+    data = _METRICS[0].get_metrics_data()
+    total = 0
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "consumerdedup.http.lease_expired":
+                    total += sum(int(point.value) for point in metric.data.data_points)
+    return total
+
+
 def make_app() -> Any:
+    instrument_from_env()
     if log_path := os.environ.get("CDD_HTTP_LOG"):
         handler = logging.FileHandler(log_path)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))

@@ -28,6 +28,7 @@ from consumerdedup.schema import Tables, install
 from tests.http import wsgi_server
 from tests.http.asgi_apps import count_runs, tables_for
 from tests.http.stores import drop_redis_keys, redis_env
+from tests.support import mariadb_service
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 30.0
@@ -36,7 +37,7 @@ START_TIMEOUT = 30.0
 @dataclass(frozen=True)
 class ServerKind:
     name: str
-    database: str  # "postgresql" or "sqlite"
+    database: str  # "postgresql", "sqlite" or "mariadb"
     env: dict[str, str] = field(default_factory=dict)
     command: Callable[[int], list[str]] | None = None
     """argv for a server on this port; default: uvicorn with tests.http.asgi_apps:make_app."""
@@ -66,6 +67,8 @@ SERVERS: list[ServerKind] = [
                                                     "CDD_HTTP_ASYNC": "1", **redis_env()}),
     ServerKind("flask-waitress-postgresql", "postgresql", command=flask_waitress),
     ServerKind("flask-waitress-redis-sqlite", "sqlite", redis_env(), command=flask_waitress),
+    # MariaDB: the SQL store's claim by INSERT ... ON DUPLICATE KEY UPDATE (docs/databases.md).
+    ServerKind("raw-mariadb-sync", "mariadb", {"CDD_HTTP_FRAMEWORK": "raw"}),
 ]  # fmt: skip
 
 
@@ -156,6 +159,9 @@ def serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
             url, schema = f"sqlite:///{tmp}/http.db", ""
             with create_engine(url).connect() as conn:
                 conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        elif kind.database == "mariadb":  # a database of its own (MySQL's schema)
+            yield from _serve_mariadb(request, kind, Path(tmp))
+            return
         else:
             url = request.getfixturevalue("postgres_url")
             schema = f"h_{uuid.uuid4().hex[:12]}"
@@ -172,6 +178,22 @@ def serve(request: pytest.FixtureRequest, kind: ServerKind) -> Iterator[Server]:
             if schema:
                 with server.engine.begin() as conn:
                     conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            server.engine.dispose()
+
+
+def _serve_mariadb(request: pytest.FixtureRequest, kind: ServerKind, tmp: Path) -> Iterator[Server]:
+    with mariadb_service.isolated_database(request.getfixturevalue("mariadb_url")) as name:
+        url = mariadb_service.in_database(request.getfixturevalue("mariadb_url"), name)
+        markers = tmp / "markers"
+        markers.mkdir()
+        server = Server(kind, url, name, markers)
+        install(server.engine, server.tables)
+        server.runs_table.create(server.engine)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
             server.engine.dispose()
 
 

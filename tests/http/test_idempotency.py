@@ -13,7 +13,6 @@ import hashlib
 import json
 import socket
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -285,15 +284,14 @@ def test_concurrent_requests_with_one_key_run_the_endpoint_once(
     if path.startswith("/tx") and not server.kind.transactional:
         pytest.fail("every SQL server serves the transactional route")  # pragma: no cover
     key, note = new_key(), new_key()
-    started = time.monotonic()
     responses = asyncio.run(_many(server, path, key, note, n))
-    elapsed = time.monotonic() - started
     ran = [r for r in responses if r.status_code == 201 and not replayed(r)]
     assert len(ran) == 1, [r.status_code for r in responses]
     sqlite_tx = server.kind.database == "sqlite" and path.startswith("/tx")
-    if "wait" in path:  # a route that waits (5 s) replays to every twin, promptly
+    if "wait" in path:  # a route that waits (5 s) replays to every twin
+        # How promptly (every 0.5 s at most) is test_twin_wait_schedule's, counted without a
+        # clock: a wall-clock bound here (20 twins in < 4 s) rested on the machine's load.
         assert all(r.status_code == 201 for r in responses), [r.status_code for r in responses]
-        assert elapsed < 4, f"{n} twins of a 0.3 s request took {elapsed:.1f} s"
     for response in responses:
         assert response.status_code in (201, 409), response.text
         if response.status_code == 409 and sqlite_tx and "store-busy" in response.text:

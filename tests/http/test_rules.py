@@ -175,8 +175,40 @@ def test_flow_answers_every_claim_result() -> None:
     _, decision = _drive(flow.decide(_incoming(), policy), [b"", Completed(stored)])
     assert decision == flow.Respond(stored, replayed=True)
     in_flight = flow.Respond
-    _, decision = _drive(flow.decide(_incoming(), policy), [b"", InFlight(2.5)])
-    assert isinstance(decision, in_flight) and ("retry-after", "3") in decision.response.headers
+    # Retry-After is the route's retry_after (1 s), not the rest of the twin's lease...
+    _, decision = _drive(flow.decide(_incoming(), policy), [b"", InFlight(59.5)])
+    assert isinstance(decision, in_flight) and ("retry-after", "1") in decision.response.headers
+    # ...nor more than that rest; at least 1 s (whole seconds).
+    slow = IdempotencyPolicy(RoutePolicy(retry_after=timedelta(seconds=5)))
+    for lease_left, told in [(2.5, "3"), (0.2, "1"), (30.0, "5")]:
+        _, decision = _drive(flow.decide(_incoming(), slow), [b"", InFlight(lease_left)])
+        assert isinstance(decision, in_flight)
+        assert ("retry-after", told) in decision.response.headers, lease_left
+
+
+def test_flow_releases_the_routes_unstored_statuses_and_stores_the_rest() -> None:
+    policy = IdempotencyPolicy(RoutePolicy(unstored_statuses=frozenset({422})))
+    for status, stored in [(422, False), (400, True), (201, True), (500, False)]:
+        response = StoredResponse(status, (), b"")
+        asked, decision = _drive(
+            flow.decide(_incoming(), policy), [b"", Claimed("t"), flow.Finished(response), True]
+        )
+        assert type(asked[-1]).__name__ == ("Complete" if stored else "Release"), status
+        assert decision == flow.SendCaptured(stored=stored)
+
+
+def test_a_run_past_its_lease_is_logged_as_a_warning_and_still_completes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    response = StoredResponse(201, (), b"")
+    with caplog.at_level("WARNING", logger="consumerdedup.http"):
+        asked, decision = _drive(
+            flow.decide(_incoming(), IdempotencyPolicy()),
+            [b"", Claimed("t"), flow.Finished(response, lapsed=True), True],
+        )
+    assert type(asked[-1]).__name__ == "Complete" and decision == flow.SendCaptured(stored=True)
+    [line] = [r for r in caplog.records if "lease expired" in r.getMessage()]
+    assert line.levelname == "WARNING" and "60 s lease" in line.getMessage()
 
 
 def test_the_principal_is_in_the_scope_only_as_a_digest() -> None:
@@ -184,3 +216,9 @@ def test_the_principal_is_in_the_scope_only_as_a_digest() -> None:
     assert "api-key-123" not in scope and scope != flow.scope_of("POST", "/p", "other")
     assert flow.scope_of("POST", "/p", None) == "POST /p"
     assert len(flow.scope_of("POST", "/" + "p" * 1000, "x")) <= flow.SCOPE_LENGTH
+
+
+def test_a_fingerprinter_that_returns_no_str_is_a_setup_fault_not_a_store_outage() -> None:
+    policy = IdempotencyPolicy(RoutePolicy(fingerprint=lambda facts: facts.body))
+    with pytest.raises(ConfigurationError, match=r"RoutePolicy\.fingerprint returned a bytes"):
+        _drive(flow.decide(_incoming(), policy), [b"x"])

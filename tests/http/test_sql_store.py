@@ -1,6 +1,6 @@
 """The store contract (consumerdedup/http/store.py), one test per promise, on the SQL stores.
 
-SqlStore and AsyncSqlStore, on SQLite and PostgreSQL, with a clock the test
+SqlStore and AsyncSqlStore, on SQLite, PostgreSQL and MariaDB, with a clock the test
 moves (leases and expiry without waiting). The async store is driven
 through the same test bodies by a small blocking view.
 """
@@ -11,6 +11,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,13 @@ from sqlalchemy.orm import Session
 from consumerdedup.http import AsyncSqlStore, SqlStore, StoredResponse
 from consumerdedup.http.sql_statements import is_lock_timeout
 from consumerdedup.http.store import Claimed, Completed, InFlight, Mismatch
-from tests.conftest import Database
+from tests.conftest import Database, database
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, request.param, tmp_path)
+
 
 LEASE = timedelta(seconds=30)
 DAY = timedelta(hours=24)
@@ -197,7 +204,10 @@ def _twin_meets_the_lock(store: Any, db: Database, first: Any) -> None:
     assert is_lock_timeout(outcome[0]) if isinstance(outcome[0], Exception) else True
     assert not isinstance(outcome[0], Claimed)
     # The endpoint's own statements run with the session's usual lock wait, not 50 ms.
-    setting = "SHOW lock_timeout" if db.dialect == "postgresql" else "PRAGMA busy_timeout"
+    setting = {
+        "postgresql": "SHOW lock_timeout",
+        "mysql": "SELECT @@SESSION.innodb_lock_wait_timeout",
+    }.get(db.dialect, "PRAGMA busy_timeout")
     before = store.session()
     usual = before.execute(text(setting)).scalar_one()
     before.close()
@@ -248,3 +258,74 @@ def test_postgresql_pipelined_claim_fails_closed_and_returns_its_connection_as_i
         assert rows == 0
     finally:
         engine.dispose()
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """The servers where twins wait on each other's row lock (SQLite serializes writers)."""
+    yield from database(request, request.param, tmp_path)
+
+
+def waiting(db: Database) -> int:
+    """How many sessions wait on a lock in a statement on this test's own tables."""
+    mine = f"%{db.schema}%"
+    if db.dialect == "postgresql":
+        sql = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            f"AND query LIKE '{mine}'"
+        )
+    else:  # a claim's INSERT still running on this test's database is one blocked on a lock
+        sql = (
+            "SELECT count(*) FROM information_schema.processlist WHERE db = "
+            f"'{db.schema}' AND info LIKE 'INSERT INTO {mine}' AND state = 'Update'"
+        )
+    return int(db.scalar(sql) or 0)
+
+
+def test_twins_waiting_when_the_first_claim_rolls_back_run_once_and_never_deadlock(
+    server: Database,
+) -> None:
+    """Six transactional twins wait on the first claim's row; it rolls back. Exactly one
+    twin claims (and completes), the others wait on it and replay its response: no
+    deadlock among the waiters (on MariaDB a plain INSERT's shared locks would upgrade into
+    one), no twin refused with an error."""
+    import time
+
+    db = server
+    store = SqlStore(db.engine, db.tables)
+    first = Session(db.engine)
+    outcomes: list[Any] = []
+    lock = threading.Lock()
+
+    def twin() -> None:
+        own = Session(db.engine)
+        try:
+            got = store.claim_in(own, "POST /storm", "k", "f", timedelta(seconds=30))
+            if isinstance(got, Claimed):
+                store.complete_in(own, "POST /storm", "k", RESPONSE, DAY, got.token)
+                own.commit()
+            with lock:
+                outcomes.append(got)
+        except Exception as error:
+            with lock:
+                outcomes.append(error)
+        finally:
+            own.close()
+
+    threads = [threading.Thread(target=twin) for _ in range(6)]
+    try:
+        assert isinstance(store.claim_in(first, "POST /storm", "k", "f", timedelta(0)), Claimed)
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while waiting(db) < 6:
+            assert time.monotonic() < deadline, f"{waiting(db)} of 6 twins waiting"
+            time.sleep(0.01)
+    finally:
+        first.rollback()
+        first.close()
+        for thread in threads:
+            thread.join(60)
+    assert not [o for o in outcomes if isinstance(o, Exception)], outcomes
+    assert sum(isinstance(o, Claimed) for o in outcomes) == 1, outcomes
+    assert outcomes.count(Completed(RESPONSE)) == 5, outcomes

@@ -127,18 +127,17 @@ def test_an_asyncio_engine_or_store_is_refused(tmp_path: Path) -> None:
         WSGIIdempotencyMiddleware(_app)
 
 
-def test_a_transactional_route_without_an_engine_is_refused_at_the_first_request() -> None:
+def test_a_transactional_route_without_an_engine_is_refused_at_construction() -> None:
+    """Before issue 38 it was refused at the first request only."""
     from consumerdedup.http.redis_store import RedisStore
 
     policy = IdempotencyPolicy.of(
         {"/pay": RoutePolicy(transactional=True, lease=timedelta(seconds=5))}
     )
-    middleware = WSGIIdempotencyMiddleware(
-        _app, store=RedisStore.from_url("redis://127.0.0.1:6379/0"), policy=policy
-    )
-    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/pay", "wsgi.input": None}
     with pytest.raises(ConfigurationError, match="needs the middleware's engine"):
-        middleware(environ, lambda *a: None)
+        WSGIIdempotencyMiddleware(
+            _app, store=RedisStore.from_url("redis://127.0.0.1:6379/0"), policy=policy
+        )
 
 
 def test_a_terminated_input_without_length_is_read_to_its_end(tmp_path: Path) -> None:

@@ -18,12 +18,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, insert, make_url
+from sqlalchemy import Engine, create_engine, insert, make_url, select
 from sqlalchemy.orm import Session
 
 from consumerdedup import Outbox
 from consumerdedup.http.wsgi import SESSION_KEY, WSGIIdempotencyMiddleware
-from tests.http.asgi_apps import BIG, POLICY, tables_for
+from tests.http.asgi_apps import (
+    BIG,
+    POLICY,
+    instrument_from_env,
+    lease_expired_count,
+    tables_for,
+)
 from tests.http.stores import store_from_env
 
 
@@ -36,6 +42,7 @@ def _engine(url: str) -> Engine:
 def make_app() -> Any:
     from flask import Flask, Response, request
 
+    instrument_from_env()
     if log_path := os.environ.get("CDD_HTTP_LOG"):
         handler = logging.FileHandler(log_path)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
@@ -74,6 +81,18 @@ def make_app() -> Any:
     def health() -> Response:
         return answer(200, {"ok": True})
 
+    @app.get("/lease-expired-count")
+    def lease_expired() -> Response:
+        return answer(200, {"count": lease_expired_count()})
+
+    def hold_key_row(key: str, seconds: float) -> None:
+        """Lock the key's record (PostgreSQL) for ``seconds``: the lease's renewal, an UPDATE
+        of that row, waits meanwhile, as it does on a store that stalls."""
+        table = tables.idempotency_keys
+        with engine.begin() as conn:
+            conn.execute(select(table.c.key).where(table.c.key == key).with_for_update())
+            time.sleep(seconds)
+
     @app.route("/<path:path>", methods=["GET", "POST", "PATCH", "PUT", "DELETE"])
     def endpoint(path: str) -> Response:
         body = request.get_data()
@@ -87,12 +106,16 @@ def make_app() -> Any:
             threading.Event().wait()
         if "sleep" in request.args:
             time.sleep(float(request.args["sleep"]))
+        if "lock" in request.args:
+            hold_key_row(request.headers["Idempotency-Key"], float(request.args["lock"]))
         sha = hashlib.sha256(body).hexdigest()
         document = {"run": run, "sha256": sha, "bytes": len(body), "principal": principal}
         if path == "fail" or request.args.get("status") == "500":
             return answer(500, {"run": run, "error": "boom"})
         if path == "reject":
             return answer(400, {"run": run, "error": "bad amount"})
+        if path in ("validated", "validated-stored") and b'"amount"' not in body:
+            return answer(422, {"run": run, "error": "amount: field required"})
         if path in ("big", "tx/big"):
             chunks = (bytes([65 + i]) * (BIG // 4) for i in range(4))
             return Response(chunks, status=200)

@@ -132,11 +132,16 @@ def runner(kafka: KafkaService, handle: Any, topic: str, **config: Any) -> Kafka
     )
 
 
-async def fill(topics: Topics, name: str, count: int) -> tuple[str, set[str]]:
+def _events(start: int, stop: int) -> list[tuple[str, bytes]]:
+    return [(f"e-{i:04d}", json.dumps({"n": i}).encode()) for i in range(start, stop)]
+
+
+async def fill(topics: Topics, name: str, count: int, later: int = 0) -> tuple[str, set[str]]:
+    """A 4-partition topic with ``count`` events, the last ``later`` of them not produced yet
+    (``second_joins_mid_run`` produces them once the second runner owns partitions)."""
     topic = await topics.create(name, partitions=4)
-    events = [(f"e-{i:04d}", json.dumps({"n": i}).encode()) for i in range(count)]
-    await topics.produce_many(topic, events, partitions=4)
-    return topic, {eid for eid, _ in events}
+    await topics.produce_many(topic, _events(0, count - later), partitions=4)
+    return topic, {eid for eid, _ in _events(0, count)}
 
 
 @pytest.fixture
@@ -165,6 +170,12 @@ async def test_the_partitions_of_a_fetch_are_in_flight_together_each_in_order(
     assert await topics.lag("group-" + topic, topic) == 0
 
 
+def _share(*runners: KafkaConsumerRunner) -> bool:
+    """Every runner owns partitions, and together all four: the rebalance is done."""
+    owned = [r.consumer.assignment() if r.consumer is not None else set() for r in runners]
+    return all(owned) and sum(map(len, owned)) == 4
+
+
 async def second_joins_mid_run(
     first: KafkaConsumerRunner,
     second: KafkaConsumerRunner,
@@ -175,9 +186,14 @@ async def second_joins_mid_run(
     group: str,
     *,
     after: int,
+    later: int = 0,
 ) -> None:
     """Run ``first``; once it has applied ``after`` rows start ``second`` (a rebalance while
-    chunks are in flight); wait until every id is applied and the group has no lag."""
+    chunks are in flight); wait until every id is applied and the group has no lag.
+
+    ``later``: the last events (``fill``'s) are produced once the two share the partitions,
+    so the second runner gets records by construction: the first could otherwise finish
+    the stream before the rebalance, and 'the second got a partition' rested on luck."""
     tasks = [asyncio.create_task(first.run())]
     try:
         deadline = time.monotonic() + 60
@@ -186,6 +202,12 @@ async def second_joins_mid_run(
             assert not tasks[0].done(), tasks[0]
             await asyncio.sleep(0.02)
         tasks.append(asyncio.create_task(second.run()))
+        if later:
+            while not _share(first, second):
+                assert time.monotonic() < deadline, "the two runners never shared the topic"
+                assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
+                await asyncio.sleep(0.02)
+            await topics.produce_many(topic, _events(len(ids) - later, len(ids)), partitions=4)
         while table.count() < len(ids) or await topics.lag(group, topic):
             assert time.monotonic() < deadline, f"{table.count()} of {len(ids)} applied"
             assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
@@ -201,7 +223,7 @@ async def test_a_rebalance_mid_run_loses_nothing_and_doubles_nothing(
 ) -> None:
     """Two blocking-handler members, each with four chunks in flight; the second joins while
     the first is mid-stream: every record once, each partition in offset order."""
-    topic, ids = await fill(topics, "rebalance", 800)
+    topic, ids = await fill(topics, "rebalance", 800, later=200)
     group = "group-" + topic
 
     def slow(message: Message) -> None:
@@ -211,7 +233,9 @@ async def test_a_rebalance_mid_run_loses_nothing_and_doubles_nothing(
         runner(kafka, handler(pg, table, "blocking", slow), topic, group_id=group, batch_size=20)
         for _ in range(2)
     )
-    await second_joins_mid_run(first, second, table, ids, topics, topic, group, after=100)
+    await second_joins_mid_run(
+        first, second, table, ids, topics, topic, group, after=100, later=200
+    )
     table.assert_each_once_in_partition_order(ids)
     assert second.outcomes[Outcome.PROCESSED] > 0, "the second runner never got a partition"
 

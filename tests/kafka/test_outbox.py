@@ -12,6 +12,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Coroutine, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -28,6 +29,7 @@ from consumerdedup import (
 )
 from consumerdedup.adapters.kafka import KafkaPublisher
 from consumerdedup.headers import ID_HEADER
+from tests.conftest import database
 from tests.contracts.outbox import RelayToBrokerContract
 from tests.support.kafka_doubles import no_auto_create
 from tests.support.kafka_service import (  # noqa: F401
@@ -95,10 +97,16 @@ class KafkaSide:
             self.loop.close()
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def outbox_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """The shared scenarios' database: PostgreSQL and MariaDB (row locks, no NOTIFY)."""
+    yield from database(request, request.param, tmp_path)
+
+
 class TestRelayToKafka(RelayToBrokerContract):
     @pytest.fixture
-    def broker_side(self, pg: Any, kafka: KafkaService) -> Iterator[KafkaSide]:
-        side = KafkaSide(pg, kafka)
+    def broker_side(self, outbox_db: Any, kafka: KafkaService) -> Iterator[KafkaSide]:
+        side = KafkaSide(outbox_db, kafka)
         yield side
         side.close()
 

@@ -105,13 +105,21 @@ def test_options_that_would_weaken_the_guarantees_are_refused() -> None:
             KafkaPublisher(options={owned: 1})
 
 
+async def no_answer(client: object, topic: str) -> None:
+    """The topic check's answer when no broker answers its metadata request."""
+    return None
+
+
 @pytest.mark.parametrize("error", [UnknownTopicOrPartitionError, KafkaTimeoutError])
 async def test_a_topic_the_broker_does_not_have_is_destination_missing_not_broker_unavailable(
     kafka: KafkaService, topics: Topics, monkeypatch: pytest.MonkeyPatch, error: type[Exception]
 ) -> None:
     """aiokafka's answer for a missing topic is retriable, but the broker is there: the outbox
-    relay must charge that event, not stop for everyone (see tests/support/kafka_doubles.py)."""
+    relay must charge that event, not stop for everyone (see tests/support/kafka_doubles.py).
+    The publisher's check before a first send (tests/kafka/test_topic_check.py) gets no
+    answer here, so aiokafka's own error for the send is what tells."""
     double = no_auto_create(monkeypatch, error)
+    monkeypatch.setattr("consumerdedup.adapters.kafka.publisher.topic_answer", no_answer)
     present = await topics.create("present")
     missing = f"cdd-missing-{uuid.uuid4().hex[:10]}"
     topics.names.append(missing)

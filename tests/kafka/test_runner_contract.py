@@ -1,4 +1,6 @@
-"""The Kafka runner passes the shared runner contract, on a real Kafka-protocol broker."""
+"""The Kafka runner passes the shared runner contract, on a real Kafka-protocol broker, with
+its offsets committed to the broker (the default) and kept in the database
+(``KafkaConfig(offsets="database")``, issue 36)."""
 
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ class KafkaHarness(RunnerHarness):
     capabilities = Capabilities(ordered=True, batches=True, retry_keeps_order=True)
     asyncio_by_default = True
 
-    def __init__(self, db: Any, kafka: KafkaService) -> None:
+    def __init__(self, db: Any, kafka: KafkaService, offsets: str = "broker") -> None:
         super().__init__(db)
         self.kafka = kafka
+        self.offsets = offsets
         self.async_engine = db.async_engine()
         self.topics = Topics(kafka)
         self.topic = self.call(self.topics.create("conformance"))
@@ -49,6 +52,7 @@ class KafkaHarness(RunnerHarness):
             poll_timeout=timedelta(milliseconds=100),
             retry_delay=timedelta(0),
             coordinates_as_id=False,
+            offsets=self.offsets,
         )
         return KafkaConsumerRunner(
             handler,
@@ -81,7 +85,9 @@ class KafkaHarness(RunnerHarness):
 
 
 class TestKafka(RunnerContract):
-    @pytest.fixture
-    def harness(self, db: Any, kafka: KafkaService) -> Iterator[KafkaHarness]:
-        with KafkaHarness(db, kafka) as harness:
+    @pytest.fixture(params=["broker", "database"])
+    def harness(
+        self, request: pytest.FixtureRequest, db: Any, kafka: KafkaService
+    ) -> Iterator[KafkaHarness]:
+        with KafkaHarness(db, kafka, offsets=request.param) as harness:
             yield harness

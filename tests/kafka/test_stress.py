@@ -113,6 +113,12 @@ async def wait_for(
         await asyncio.sleep(0.1)
 
 
+async def split_between(*runners: KafkaConsumerRunner, partitions: int = 4) -> bool:
+    """Every runner owns partitions, and together all of them: the group's rebalance is done."""
+    owned = [r.consumer.assignment() if r.consumer is not None else set() for r in runners]
+    return all(owned) and sum(map(len, owned)) == partitions
+
+
 async def drained(topics: Topics, group: str, topic: str) -> bool:
     return await topics.lag(group, topic) == 0
 
@@ -172,11 +178,14 @@ async def test_two_runners_one_cancelled_mid_stream_the_other_takes_over(
     engine = pg.async_engine()
     topic = await topics.create("cancel", partitions=4)
     stream, expected = payloads(1500, 0.2, seed=2)
-    await topics.produce_many(topic, stream, partitions=4)
     group = "cancel-" + topic
     first, second = two_runners(kafka, engine, pg, ledger, topic, group)
     first_task = asyncio.create_task(first.run())
     second_task = asyncio.create_task(second.run())
+    # The stream comes once the two share the partitions: a runner that joined late could
+    # otherwise find the stream consumed, and 'both consuming' would wait out its guard.
+    await wait_for(lambda: split_between(first, second), "the two runners to share the topic")
+    await topics.produce_many(topic, stream, partitions=4)
     await wait_for(
         lambda: _true(
             count(pg, f"SELECT count(*) FROM {ledger} WHERE account = 'first'") >= 100
@@ -203,13 +212,22 @@ async def test_a_runner_process_killed_mid_stream_loses_nothing_and_doubles_noth
     engine = pg.async_engine()
     topic = await topics.create("kill", partitions=4)
     stream, expected = payloads(1500, 0.2, seed=3)
-    await topics.produce_many(topic, stream, partitions=4)
+    # Half the stream before the kill, half after: the worker, alone in the group at first,
+    # consumes by construction, and the survivor has records left to take over.
+    half = len(stream) // 2
+    await topics.produce_many(topic, stream[:half], partitions=4)
     group = "kill-" + topic
     options = json.dumps(dict(kafka.group_options))
     command = [sys.executable, "-m", "tests.kafka.test_stress", kafka.bootstrap, topic, group]
     command += [pg.async_url, pg.schema, ledger, options, str(int(kafka.idempotence))]
     worker = subprocess.Popen(command, cwd=ROOT)
     try:
+        await wait_for(
+            lambda: _true(
+                count(pg, f"SELECT count(*) FROM {ledger} WHERE account = 'worker'") >= 150
+            ),
+            "the worker process to be consuming",
+        )
         survivor = make_runner(
             kafka,
             kafka.bootstrap,
@@ -219,14 +237,13 @@ async def test_a_runner_process_killed_mid_stream_loses_nothing_and_doubles_noth
             batch_size=20,
         )
         task = asyncio.create_task(survivor.run())
-        await wait_for(
-            lambda: _true(
-                count(pg, f"SELECT count(*) FROM {ledger} WHERE account = 'worker'") >= 150
-            ),
-            "the worker process to be consuming",
+        await wait_for(  # the worker holds the other partitions, perhaps mid-batch
+            lambda: _true(survivor.consumer is not None and bool(survivor.consumer.assignment())),
+            "the survivor to join the worker's group",
         )
         worker.send_signal(signal.SIGKILL)  # no goodbye to the group, no last commit
         assert worker.wait(30) == -signal.SIGKILL
+        await topics.produce_many(topic, stream[half:], partitions=4)
         await wait_for(lambda: drained(topics, group, topic), "the survivor to finish the stream")
         survivor.stop()
         await asyncio.wait_for(task, 30)
@@ -246,12 +263,16 @@ async def test_a_runner_joining_mid_stream_takes_partitions_cleanly(
     engine = pg.async_engine()
     topic = await topics.create("join", partitions=4)
     events = [(f"e-{i:05d}", json.dumps({"n": i}).encode()) for i in range(1200)]
-    await topics.produce_many(topic, events, partitions=4)
+    await topics.produce_many(topic, events[:800], partitions=4)
     group = "join-" + topic
     first, second = two_runners(kafka, engine, pg, ledger, topic, group)
     first_task = asyncio.create_task(first.run())
     await wait_for(lambda: _true(count(pg, f"SELECT count(*) FROM {ledger}") >= 200), "progress")
     second_task = asyncio.create_task(second.run())  # a rebalance while a batch is in flight
+    # The rest once the second owns partitions: it gets records by construction (the first
+    # could otherwise finish the stream before the rebalance, as on a loaded machine).
+    await wait_for(lambda: split_between(first, second), "the two runners to share the topic")
+    await topics.produce_many(topic, events[800:], partitions=4)
     await wait_for(lambda: drained(topics, group, topic), "both runners to finish the stream")
     first.stop()
     second.stop()
@@ -318,6 +339,10 @@ async def test_a_crash_between_the_database_and_the_offset_commit_is_answered_du
 async def test_database_connections_killed_mid_stream_are_retried_and_lose_nothing(
     kafka: KafkaService, topics: Topics, pg: Any
 ) -> None:
+    """Kills land mid-transaction by construction: at each cue id's first delivery the
+    handler, its INSERT done, has every connection of the runner terminated (and waits for
+    it: ``pg_terminate_backend``'s timeout). A killer on a 0.25 s timer could hit nothing
+    when its shots fell in a retry's pause, and 'at least 3 kills' rested on luck."""
     ledger = pg.create_ledger()
     victim = f"cdd-kafka-victim-{uuid.uuid4().hex[:8]}"
     engine = create_async_engine(pg.async_url, connect_args={"application_name": victim})
@@ -325,7 +350,31 @@ async def test_database_connections_killed_mid_stream_are_retried_and_lose_nothi
     stream, expected = payloads(1200, 0.1, seed=4)
     await topics.produce_many(topic, stream, partitions=3)
     group = "outage-" + topic
-    handle = handler(engine, pg.tables, ledger, pause=0.002)
+    cues = {"e-00007", "e-00300", "e-00301", "e-00642", "e-00900", "e-01199"}
+    cue_ids = sorted(cues)
+    calls: list[str] = []
+    kills: list[int] = []
+
+    def kill_every_connection() -> int:
+        return count(
+            pg,
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
+            f"FROM pg_stat_activity WHERE application_name = '{victim}'",
+        )
+
+    dedup = AsyncDeduplicator(engine, consumer="ledger", tables=pg.tables)
+
+    @dedup.handler
+    async def handle(message: Message, session: Any) -> None:
+        await session.execute(
+            text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', :n, :m)"),
+            {"n": message.json()["n"], "m": message.id},
+        )
+        calls.append(message.id)
+        if message.id in cues:  # once: its retry runs through
+            cues.discard(message.id)
+            kills.append(await asyncio.to_thread(kill_every_connection))
+
     run = make_runner(
         kafka,
         kafka.bootstrap,
@@ -337,27 +386,13 @@ async def test_database_connections_killed_mid_stream_are_retried_and_lose_nothi
         max_retry_delay=timedelta(milliseconds=100),
     )
     task = asyncio.create_task(run.run())
-    kills: list[int] = []
-
-    async def killer() -> None:
-        await wait_for(lambda: _true(count(pg, f"SELECT count(*) FROM {ledger}") > 0), "progress")
-        for _ in range(8):
-            await asyncio.sleep(0.25)
-            kills.append(
-                count(
-                    pg,
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    f"WHERE application_name = '{victim}'",
-                )
-            )
-
-    await killer()
     await wait_for(lambda: drained(topics, group, topic), "the runner to finish the stream")
     run.stop()
     await asyncio.wait_for(task, 30)
     await engine.dispose()
 
-    assert sum(kills) >= 3, f"the killer hit too few connections: {kills}"
+    assert len(kills) == 6 and min(kills) >= 1, kills  # each cue killed its own connection
+    assert all(calls.count(mid) >= 2 for mid in cue_ids), calls  # mid-transaction: run again
     assert_exactly_once(pg, ledger, expected)
     assert await topics.records(topic + ".dlq") == []
 

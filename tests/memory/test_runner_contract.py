@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -12,6 +13,7 @@ from consumerdedup.testing import MemoryBroker, MemoryConfig, MemoryConsumerRunn
 from consumerdedup.testing.memory_broker import REASON_HEADER
 from tests.contracts.harness import Capabilities, RunnerHarness
 from tests.contracts.runner import RunnerContract
+from tests.support.async_drivers import async_url
 
 QUEUE = "payments"
 
@@ -48,3 +50,40 @@ class TestMemoryBroker(RunnerContract):
     @pytest.fixture
     def harness(self, db: Any) -> MemoryHarness:
         return MemoryHarness(db)
+
+
+class AsyncpgHarness(MemoryHarness):
+    """The same broker, its handlers AsyncDeduplicator's on asyncpg (issue 34)."""
+
+    asyncio_by_default = True
+
+
+class TestMemoryBrokerOnAsyncpg(RunnerContract):
+    """The runner contract with AsyncDeduplicator on postgresql+asyncpg, whose aborted state
+    the guard asks the server (consumerdedup.dedup.asyncpg_watch)."""
+
+    @pytest.fixture
+    def harness(self, pg: Any) -> MemoryHarness:
+        return AsyncpgHarness(replace(pg, async_url=async_url(pg.url, "asyncpg")))
+
+
+class TestMemoryBrokerOnMariaDB(RunnerContract):
+    """The runner contract on MariaDB (InnoDB) through PyMySQL (issue 34)."""
+
+    @pytest.fixture
+    def harness(self, mariadb: Any) -> MemoryHarness:
+        return MemoryHarness(mariadb)
+
+
+class AiomysqlHarness(MemoryHarness):
+    """The same broker, its handlers AsyncDeduplicator's on aiomysql."""
+
+    asyncio_by_default = True
+
+
+class TestMemoryBrokerOnMariaDBAsync(RunnerContract):
+    """The runner contract with AsyncDeduplicator on MariaDB through aiomysql (issue 34)."""
+
+    @pytest.fixture
+    def harness(self, mariadb: Any) -> MemoryHarness:
+        return AiomysqlHarness(mariadb)

@@ -82,13 +82,18 @@ def test_a_consumer_needs_only_its_own_table(db: Any, kind: str) -> None:
 
 
 def test_a_database_down_at_start_is_an_outage_not_a_setup_fault() -> None:
-    """The process's own retry rides out an outage, as before the start checks: only a
-    refused login or a missing table stops it at start."""
+    """Only a refused login or a missing table stops a process at start; a database that
+    is away is an outage, which the runners and the relay wait out (lifecycle.py)."""
     from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
 
     from consumerdedup.doctor import WARN, require_startup, startup_checks
+    from consumerdedup.retry import ErrorKind, classify
 
     engine = create_engine("postgresql+psycopg://nobody:pw@127.0.0.1:1/x")
     found = {c.name: c.status for c in startup_checks(engine)}
     assert found["database"] == WARN
-    require_startup(engine)  # does not raise
+    with pytest.raises(OperationalError) as raised:  # the checks did not pass: not ready
+        require_startup(engine)
+    assert not isinstance(raised.value, ConfigurationError)
+    assert classify(raised.value) is ErrorKind.TRANSIENT

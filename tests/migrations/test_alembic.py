@@ -52,6 +52,7 @@ with engine.connect() as connection:
         include_schemas=True,
         include_name=include_name,
         include_object=migrations.include_object(TABLES, ours=not APART),
+        render_item=migrations.render_item,
         version_table_schema=SCHEMA,
     )
     with context.begin_transaction():

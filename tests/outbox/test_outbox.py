@@ -1,4 +1,5 @@
-"""Outbox.add and OutboxRelay against SQLite and PostgreSQL, publishing to the MemoryBroker."""
+"""Outbox.add and OutboxRelay against SQLite, PostgreSQL and MariaDB, publishing to the
+MemoryBroker; the concurrent scenarios on PostgreSQL and MariaDB (true concurrent writers)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import random
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +32,14 @@ from consumerdedup import (
 )
 from consumerdedup.headers import ID_HEADER
 from consumerdedup.testing import MemoryBroker
+from tests.outbox.conftest import installed
 from tests.support.outbox_events import running
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    yield from installed(request, request.param, tmp_path)
+
 
 QUICK = RelayConfig(
     batch_size=50,
@@ -260,7 +270,8 @@ def test_relay_killed_after_confirmation_republishes_and_downstream_dedups(db: A
     assert db.scalar(f"SELECT count(*) FROM {ledger}") == 2
 
 
-def test_three_relays_at_once_keep_per_key_order_and_publish_everything(pg: Any) -> None:
+def test_three_relays_at_once_keep_per_key_order_and_publish_everything(server: Any) -> None:
+    pg = server
     keys = [f"k{n}" for n in range(60)]
     events = [(f"{keys[n % 60]}:{n}", keys[n % 60]) for n in range(2400)] + [
         (f"none:{n}", None) for n in range(100)
@@ -283,29 +294,40 @@ def test_three_relays_at_once_keep_per_key_order_and_publish_everything(pg: Any)
         assert seen[key] == sorted(seen[key]), f"key {key} out of order"
 
 
+SESSION_ID = {"postgresql": "SELECT pg_backend_pid()", "mysql": "SELECT CONNECTION_ID()"}
+
+
 def waits_on_a_lock(pg: Any, pid: int, returned: Any) -> bool:
-    """True once backend ``pid`` waits on a heavyweight lock (the key's advisory lock);
-    False as soon as ``returned()`` says its add() went through without waiting."""
+    """True once backend ``pid`` waits on a lock (PostgreSQL: the key's advisory lock;
+    MariaDB: the row lock of the key's bucket); False as soon as ``returned()`` says its
+    add() went through without waiting."""
+    if pg.dialect == "postgresql":
+        asked, waiting = f"SELECT wait_event_type FROM pg_stat_activity WHERE pid = {pid}", "Lock"
+    else:
+        asked = (
+            f"SELECT trx_state FROM information_schema.innodb_trx WHERE trx_mysql_thread_id = {pid}"
+        )
+        waiting = "LOCK WAIT"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if returned():
             return False
-        state = pg.scalar(f"SELECT wait_event_type FROM pg_stat_activity WHERE pid = {pid}")
-        if state == "Lock":
+        if pg.scalar(asked) == waiting:
             return True
         time.sleep(0.01)
     raise AssertionError(f"backend {pid} neither returned from add() nor waited on a lock")
 
 
-def test_same_key_producers_commit_in_id_order(pg: Any) -> None:
+def test_same_key_producers_commit_in_id_order(server: Any) -> None:
     """A second transaction adding the same key waits for the first to commit."""
+    pg = server
     outbox = Outbox(pg.tables)
     second_pid: list[int] = []
     second_done = threading.Event()
 
     def second() -> None:
         with Session(pg.engine) as session, session.begin():
-            second_pid.append(session.execute(text("SELECT pg_backend_pid()")).scalar_one())
+            second_pid.append(session.execute(text(SESSION_ID[pg.dialect])).scalar_one())
             outbox.add(session, "orders", b"second", key="k")
         second_done.set()
 
@@ -327,9 +349,11 @@ def test_same_key_producers_commit_in_id_order(pg: Any) -> None:
     assert [r.body for r in outbox_rows(pg)] == [b"first", b"second"]
 
 
-async def test_same_key_producers_commit_in_id_order_with_async_sessions(pg: Any) -> None:
+async def test_same_key_producers_commit_in_id_order_with_async_sessions(server: Any) -> None:
     """The same with AsyncSession: Outbox.add's async path takes the key lock too."""
     import asyncio
+
+    pg = server
 
     from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -339,7 +363,7 @@ async def test_same_key_producers_commit_in_id_order_with_async_sessions(pg: Any
 
     async def second() -> None:
         async with AsyncSession(engine) as session, session.begin():
-            pid = await session.execute(text("SELECT pg_backend_pid()"))
+            pid = await session.execute(text(SESSION_ID[pg.dialect]))
             second_pid.set_result(pid.scalar_one())
             await outbox.add(session, "orders", b"second", key="k")
 
@@ -361,28 +385,55 @@ async def test_same_key_producers_commit_in_id_order_with_async_sessions(pg: Any
     assert [r.body for r in outbox_rows(pg)] == [b"first", b"second"]
 
 
-def test_producers_committing_while_relays_run_keep_each_keys_add_order(pg: Any) -> None:
+def test_producers_committing_while_relays_run_keep_each_keys_add_order(server: Any) -> None:
     """Four producers add events of five shared keys, each holding its transaction open a
     few ms after ``add``, while two relays publish. Per key, what the broker holds follows
-    the order in which ``add`` returned (with the key lock, the order of the commits)."""
+    the order in which ``add`` returned (with the key lock, the order of the commits).
+
+    One same-key race is forced first: producer 1's first add (key k0) starts after producer
+    0's and is seen waiting on the key's lock before producer 0 commits; then all four run.
+    Counting adds that took over 3 ms as 'waited' left it to the scheduler whether any
+    producer really did.
+    Which relay publishes an event is the scheduler's: every event once, in key order, is
+    what is asserted of the two."""
+    pg = server
     broker = MemoryBroker()
     config = RelayConfig(batch_size=20, poll_interval=timedelta(milliseconds=20))
     relays = [OutboxRelay(pg.engine, broker, tables=pg.tables, config=config) for _ in range(2)]
     outbox = Outbox(pg.tables)
     added: dict[str, float] = {}  # body: when add() returned (monotonic)
-    overlaps = 0  # same-key adds that had to wait for another producer's commit
+    first_added = threading.Event()  # producer 0 holds key k0, its transaction open
+    second_pid: list[int] = []
+    second_waited: list[bool] = []
+
+    raced = threading.Event()  # then the other two join in (on MariaDB a third waiter on
+    # k0's bucket row could hide producer 1's wait from information_schema.innodb_trx)
 
     def produce(producer: int) -> None:
-        nonlocal overlaps
         pause = random.Random(producer)
+        if producer >= 2:
+            assert raced.wait(60), "producers 0 and 1 never raced"  # a hang guard
         for i in range(60):
-            key = f"k{pause.randrange(5)}"
+            key = "k0" if i == 0 and producer < 2 else f"k{pause.randrange(5)}"
             body = f"{key}:{producer}:{i}"
             with Session(pg.engine) as session, session.begin():
-                started = time.monotonic()
+                if i == 0 and producer == 1:
+                    second_pid.append(session.execute(text(SESSION_ID[pg.dialect])).scalar_one())
+                    assert first_added.wait(60), "producer 0 never added"  # a hang guard
                 outbox.add(session, "orders", body.encode(), key=key)
                 added[body] = time.monotonic()
-                overlaps += added[body] - started > 0.003
+                if i == 0 and producer == 0:
+                    first_added.set()
+                    deadline = time.monotonic() + 60  # a hang guard, not a bound
+                    while not second_pid:
+                        assert time.monotonic() < deadline, "producer 1 never began"
+                        time.sleep(0.005)  # polling a condition
+                    try:
+                        second_waited.append(
+                            waits_on_a_lock(pg, second_pid[0], lambda: "k0:1:0" in added)
+                        )
+                    finally:
+                        raced.set()
                 time.sleep(pause.uniform(0.001, 0.008))  # committed a little later
 
     producers = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
@@ -392,18 +443,22 @@ def test_producers_committing_while_relays_run_keep_each_keys_add_order(pg: Any)
         for thread in producers:
             thread.join(60)
         assert relays[0].wait_drained(60)
+    assert second_waited == [True], "producer 1's add of k0 did not wait on producer 0's"
     published = [m.body.decode() for m in broker.messages("orders")]
     assert sorted(published) == sorted(added)  # every event once
+    assert added["k0:0:0"] < added["k0:1:0"]
     by_key: dict[str, list[str]] = defaultdict(list)
     for body in published:
         by_key[body.split(":")[0]].append(body)
     for key, bodies in by_key.items():
         assert bodies == sorted(bodies, key=added.__getitem__), f"key {key} out of add order"
-    assert overlaps > 0, "no producer ever waited on another's key: nothing raced"
-    assert all(relay.published > 0 for relay in relays), [r.published for r in relays]
+    assert sum(relay.published for relay in relays) == len(added)
 
 
-def test_an_idle_relay_is_woken_by_notify_not_the_poll_interval(pg: Any) -> None:
+def test_an_idle_relay_is_woken_at_commit_not_by_the_poll_interval(server: Any) -> None:
+    """PostgreSQL: the trigger's NOTIFY. MariaDB: a commit through Outbox.add in the relay's
+    own process (others are found by polling)."""
+    pg = server
     broker = MemoryBroker()
     config = RelayConfig(poll_interval=timedelta(seconds=60))
     relay = OutboxRelay(pg.engine, broker, tables=pg.tables, config=config)
@@ -422,6 +477,45 @@ def test_an_idle_relay_is_woken_by_notify_not_the_poll_interval(pg: Any) -> None
         relay.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    "version",
+    ["10.5.23-MariaDB-0+deb11u1", "8.0.0", "5.7.44-log", "10.4.32-MariaDB", "garbage"],
+)
+def test_a_server_without_skip_locked_is_refused_naming_its_version(version: str) -> None:
+    from consumerdedup.outbox.mysql import refuse_without_skip_locked
+
+    with pytest.raises(ConfigurationError) as refused:
+        refuse_without_skip_locked(version, "OutboxRelay")
+    assert version in str(refused.value) and "SKIP LOCKED" in str(refused.value)
+
+
+@pytest.mark.parametrize("version", ["10.6.0-MariaDB", "10.11.19-MariaDB-0+deb12u1", "8.0.1"])
+def test_a_server_with_skip_locked_is_taken(version: str) -> None:
+    from consumerdedup.outbox.mysql import refuse_without_skip_locked
+
+    refuse_without_skip_locked(version, "OutboxRelay")
+
+
+def test_the_relay_on_mariadb_checks_the_server_at_start(mariadb: Any) -> None:
+    """The floor is asked of the server itself (10.11 here: taken) before the first claim."""
+    add_events(mariadb, [("a", "k")])
+    relay = OutboxRelay(mariadb.engine, MemoryBroker(), tables=mariadb.tables, config=QUICK)
+    asked: list[str] = []
+    from sqlalchemy import event
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        asked.append(statement)
+
+    event.listen(mariadb.engine, "before_cursor_execute", seen)
+    try:
+        assert relay.drain() == 1
+    finally:
+        event.remove(mariadb.engine, "before_cursor_execute", seen)
+    assert asked.index("SELECT VERSION()") < next(
+        i for i, sql in enumerate(asked) if "SKIP LOCKED" in sql
+    )
 
 
 def test_wait_drained_with_a_background_relay(db: Any) -> None:
@@ -526,3 +620,24 @@ def test_an_object_with_only_publish_still_works_with_a_deprecation_warning(db: 
     with relay:
         assert relay.drain() == 1
     assert [m.body for m in publisher.broker.messages("orders")] == [b"a"]
+
+
+def test_a_key_lock_bucket_row_missing_on_mariadb_fails_closed_and_install_restores_it(
+    mariadb: Any,
+) -> None:
+    """Outbox.add with a key whose bucket row is gone would lock nothing (same-key producers
+    could commit out of order): refused, naming the fix; install() puts the rows back."""
+    from consumerdedup import install
+    from consumerdedup.outbox.mysql import bucket_of
+    from consumerdedup.schema.mysql_outbox import key_locks_table
+
+    locks = key_locks_table(mariadb.tables.outbox)
+    with mariadb.engine.begin() as conn:
+        conn.execute(locks.delete().where(locks.c.bucket == bucket_of("k")))
+    with pytest.raises(ConfigurationError, match="install"), Session(mariadb.engine) as session:
+        Outbox(mariadb.tables).add(session, "orders", b"x", key="k")
+    assert outbox_rows(mariadb) == []
+    add_events(mariadb, [("other", "k2" if bucket_of("k2") != bucket_of("k") else "k3")])
+    install(mariadb.engine, mariadb.tables)
+    add_events(mariadb, [("again", "k")])
+    assert [r.body for r in outbox_rows(mariadb)] == [b"other", b"again"]

@@ -3,7 +3,10 @@ max_attempts; replay and abandon (consumerdedup.outbox.parked), and the pruner's
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -14,7 +17,13 @@ from consumerdedup.outbox import parked
 from consumerdedup.prune import Pruner
 from consumerdedup.schema import utcnow
 from tests.conftest import Database
+from tests.outbox.conftest import installed
 from tests.outbox.test_outbox import FlakyPublisher, add_events, outbox_rows
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    yield from installed(request, request.param, tmp_path)
 
 
 def config(max_attempts: int) -> RelayConfig:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from sqlalchemy.orm import Session
 from consumerdedup import Outbox, OutboxRelay, Publisher, RelayConfig
 from consumerdedup.testing import MemoryBroker
 from tests.conftest import Database
+from tests.outbox.conftest import installed
 from tests.support.outbox_events import add_events
 from tests.support.tcp_proxy import Proxy
 
@@ -233,32 +235,44 @@ class Counting(MemoryBroker):
         super().publish(destination, body, key, headers, message_id=message_id)
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from installed(request, request.param, tmp_path)
+
+
 @pytest.fixture
-def proxy(postgres_url: str) -> Iterator[Proxy]:
-    url = make_url(postgres_url)
-    proxy = Proxy(url.host or "127.0.0.1", url.port or 5432)
+def proxy(server: Database) -> Iterator[Proxy]:
+    url = make_url(server.url)
+    proxy = Proxy(
+        url.host or "127.0.0.1", url.port or (5432 if server.dialect != "mysql" else 3306)
+    )
     yield proxy
     proxy.cut()  # closes its listener and whatever is still connected
 
 
 @pytest.fixture
-def proxied(pg: Database, proxy: Proxy) -> Iterator[Engine]:
-    """An engine reaching the test's PostgreSQL through the proxy (the relay's, only)."""
-    engine = create_engine(make_url(pg.url).set(host="127.0.0.1", port=proxy.port))
+def proxied(server: Database, proxy: Proxy) -> Iterator[Engine]:
+    """An engine reaching the test's database through the proxy (the relay's, only)."""
+    engine = create_engine(make_url(server.url).set(host="127.0.0.1", port=proxy.port))
     yield engine
     engine.dispose()
+
+
+CLAIM_LOCK = {"postgresql": "pg_try_advisory_xact_lock", "mysql": "SKIP LOCKED"}
+"""A statement of the claim that locks (the third round's is where ``claiming`` cuts)."""
 
 
 @pytest.mark.postgres
 @pytest.mark.parametrize("cut_at", ["claiming", "publishing", "committing"])
 def test_database_cut_mid_round_relay_resumes_every_event_published_and_marked(
-    pg: Database,
+    server: Database,
     proxy: Proxy,
     proxied: Engine,
     started: Any,
     cut_at: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    pg = server
     caplog.set_level(logging.WARNING, logger="consumerdedup.relay")
     ids = add_events(pg, "orders", EVENTS, keys=KEYS)  # body "k<key>:<seq per key>"
     broker = Counting()
@@ -279,7 +293,7 @@ def test_database_cut_mid_round_relay_resumes_every_event_published_and_marked(
 
         @event.listens_for(proxied, "before_cursor_execute")
         def before_lock(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-            if "pg_try_advisory_xact_lock" in statement:
+            if CLAIM_LOCK[pg.dialect] in statement:
                 locks.append(1)
                 if len(locks) == 3:
                     cut()
@@ -317,7 +331,10 @@ def test_database_cut_mid_round_relay_resumes_every_event_published_and_marked(
     with pg.engine.connect() as conn:
         ob = pg.tables.outbox.fullname
         unmarked, charged = conn.execute(
-            text(f"SELECT count(*) FILTER (WHERE published_at IS NULL), max(attempts) FROM {ob}")
+            text(
+                "SELECT sum(CASE WHEN published_at IS NULL THEN 1 ELSE 0 END), max(attempts) "
+                f"FROM {ob}"
+            )
         ).one()
     assert unmarked == 0
     assert charged == 0  # no publish failed: the outage charged no event

@@ -7,12 +7,16 @@ what it publishes must follow what B decided.
 
 And the other way round: while relay A waits on the broker for a key's row, a newer row
 of that key is committed; relay B's round meanwhile must leave the key alone.
+
+On PostgreSQL and MariaDB (where no key lock exists: B's scan finds k:0, its row lock
+skips it, and the key waits from there).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +26,7 @@ from sqlalchemy.orm import Session
 from consumerdedup import Outbox, OutboxRelay, Publisher, RelayConfig
 from consumerdedup.testing import MemoryBroker
 from tests.conftest import Database
+from tests.outbox.conftest import installed
 
 pytestmark = pytest.mark.postgres
 
@@ -37,6 +42,17 @@ class Refusing(Publisher):
     def publish(self, destination: str, body: bytes, key: Any = None, headers: Any = None) -> None:
         self.calls.append(body)
         raise ValueError(f"refused {body.decode()}")
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+def pg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """The servers (PostgreSQL: key locks and row locks; MariaDB: row locks alone)."""
+    yield from installed(request, request.param, tmp_path)
+
+
+@pytest.fixture
+def postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from installed(request, "postgresql", tmp_path)
 
 
 @pytest.fixture
@@ -145,11 +161,13 @@ def test_a_key_one_relay_is_publishing_is_left_alone_by_the_other(
     assert all(row.published_at is not None for row in rows(pg).values())
 
 
-def test_a_relay_claims_at_read_committed_whatever_the_engine_was_made_with(pg: Database) -> None:
+def test_a_relay_claims_at_read_committed_whatever_the_engine_was_made_with(
+    postgres: Database,
+) -> None:
     """The claim asks the keys' hold-backs again after taking its locks, in a statement of
     its own: only a snapshot per statement sees what another relay committed meanwhile. On
     a REPEATABLE READ engine that second look would see the first one's snapshot."""
-    engine = create_engine(pg.url, isolation_level="REPEATABLE READ")
+    engine = create_engine(postgres.url, isolation_level="REPEATABLE READ")
     seen: list[str] = []
 
     @event.listens_for(engine, "before_cursor_execute")
@@ -159,9 +177,9 @@ def test_a_relay_claims_at_read_committed_whatever_the_engine_was_made_with(pg: 
             seen.append(level)
 
     try:
-        add(pg, [("k1", "k")])
+        add(postgres, [("k1", "k")])
         broker = MemoryBroker()
-        assert OutboxRelay(engine, broker, tables=pg.tables).run_once() == 1
+        assert OutboxRelay(engine, broker, tables=postgres.tables).run_once() == 1
         assert seen == ["read committed"]
         assert [m.body for m in broker.messages("orders")] == [b"k1"]
         with engine.connect() as conn:  # the engine's own level is untouched for the user

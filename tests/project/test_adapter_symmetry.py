@@ -34,12 +34,19 @@ BROKER_OWN = {
     "kafka": {
         # The idempotent producer's session errors (fenced, epoch, sequence): AMQP has none.
         "publish_failures.py",
+        # Offsets in the database (KafkaConfig(offsets="database")): a partition's next
+        # offset and its owner epoch; a RabbitMQ queue has no offsets nor assignment.
+        "offsets.py",
+        "ownership.py",
     },
     "rabbitmq": {
         # Publisher confirms by delivery tag; Kafka's acks come back on each send's future.
         "confirms.py",
         # An AMQP message's exchange, routing key and properties, held to the frame size.
         "outgoing.py",
+        # Heartbeats for an idle publisher: pika's BlockingConnection answers them only while
+        # it is called; aiokafka's clients run their own background tasks.
+        "keepalive.py",
     },
 }
 
@@ -110,10 +117,18 @@ def test_both_adapters_raise_the_core_errors() -> None:
     assert issubclass(kafka.TopicMissing, consumerdedup.DestinationMissing)
     assert issubclass(rabbitmq.Unroutable, consumerdedup.DestinationMissing)
     assert issubclass(rabbitmq.ExchangeMissing, consumerdedup.DestinationMissing)
+    for adapter in (kafka, rabbitmq):  # a dead letter with nowhere to go: a setup fault
+        assert issubclass(adapter.DeadLetterMissing, consumerdedup.ConfigurationError)
 
 
 def test_both_adapters_export_the_same_kinds_of_things() -> None:
-    shared = {"BrokerUnavailable", "PublishFailed", "KeyFunction", "SOURCE_HEADER"}
+    shared = {
+        "BrokerUnavailable",
+        "DeadLetterMissing",
+        "PublishFailed",
+        "KeyFunction",
+        "SOURCE_HEADER",
+    }
     assert shared <= set(kafka.__all__) and shared <= set(rabbitmq.__all__)
     assert isinstance(kafka.KafkaPublisher(), consumerdedup.AsyncPublisher)
     assert isinstance(rabbitmq.RabbitPublisher(), consumerdedup.Publisher)

@@ -21,12 +21,19 @@ EXPECTED = {
     "bench_bulk.py": "Like with like",
     "bench_rabbitmq.py": "Like with like",
     "bench_kafka.py": "Like with like",
+    "bench_kafka_offsets.py": "Like with like",
     "bench_relay.py": "Relay / plain",
+    "bench_mysql_relay.py": "Relay / plain PyMySQL",
+    "bench_mysql.py": "Like with like: consumerdedup / plain PyMySQL",
     "bench_relay_scale.py": "Relays / one relay",
     "bench_consumer_scale.py": "speed-up (ratio of medians, same run)",
     "bench_pruner.py": "Pruner / plain psycopg",
     "bench_http.py": "Through the middleware / without it",
     "bench_telemetry.py": "Telemetry / none",
+    "bench_run.py": "by hand / run",
+    "bench_faststream.py": "DedupMiddleware",
+    "bench_celery.py": "IdempotentTask / plain",
+    "bench_asyncpg.py": "asyncpg / psycopg async",
 }
 
 

@@ -22,8 +22,10 @@ Then the pipeline settles, the roles are stopped, and the test checks:
   the Kafka topic; one partition per key), and the Kafka consumers apply a key's events
   in that order. The RabbitMQ hop has two consumers, so no order is promised there.
 
-The seed is printed; ``CHAOS_SEED=<n>`` replays the same keys, kill thresholds and
-restart delays (the timing of the processes is still the machine's).
+It runs on PostgreSQL and on MariaDB (the final consumers: one AsyncDeduplicator, on
+aiomysql there, and one blocking). The seed is printed; ``CHAOS_SEED=<n>`` replays the
+same keys, kill thresholds and restart delays (the timing of the processes is still the
+machine's).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from consumerdedup import install
+from tests.conftest import Database, database
 from tests.support import services
 from tests.support.chaos_roles import (
     FINAL_CONSUMER,
@@ -371,41 +374,73 @@ class Background:
         return pipeline.up(*self.roles, since=MIN_UPTIME) or now - self.due_since > CONNECTED_WAIT
 
 
-def progress_of(pg: Any, cfg: Chaos) -> dict[str, Any]:
+def progress_of(db: Any, cfg: Chaos, pipeline: Pipeline | None = None) -> dict[str, Any]:
     """How far each hop is, keyed by role instance name (what its kill thresholds read)
-    and by hop."""
+    and by hop; ``in_transaction``: the roles inside a transaction now (MySQL: found
+    through ``pipeline``'s processes)."""
     t = cfg.table
-    sql = (
-        "SELECT "
-        "(SELECT coalesce(json_object_agg(producer, c), '{}'::json) FROM "
-        f" (SELECT producer, count(*) AS c FROM {t('produced')} GROUP BY producer) p), "
-        f"(SELECT count(*) FILTER (WHERE published_at IS NOT NULL) FROM {t('outbox')}), "
-        f"(SELECT count(*) FILTER (WHERE published_at IS NULL) FROM {t('outbox')}), "
-        f"(SELECT count(DISTINCT id) FROM {t('mid_effects')}), "
-        f"(SELECT count(*) FILTER (WHERE published_at IS NOT NULL) FROM {t('outbox_kafka')}), "
-        f"(SELECT count(*) FILTER (WHERE published_at IS NULL) FROM {t('outbox_kafka')}), "
-        f"(SELECT count(DISTINCT id) FROM {t('final_effects')})"
-    )
-    [(producers, relayed, backlog, mid, relayed_kafka, backlog_kafka, final)] = rows(pg, sql)
-    out: dict[str, Any] = {
-        f"producer-{p}": int(producers.get(str(p), 0)) for p in range(cfg.producers)
-    }
+    producers = dict(rows(db, f"SELECT producer, count(*) FROM {t('produced')} GROUP BY producer"))
+    hops = []
+    for outbox, effects in (("outbox", "mid_effects"), ("outbox_kafka", "final_effects")):
+        sql = (
+            f"SELECT (SELECT count(published_at) FROM {t(outbox)}), "
+            f"(SELECT count(*) - count(published_at) FROM {t(outbox)}), "
+            f"(SELECT count(DISTINCT id) FROM {t(effects)})"
+        )
+        hops.append(tuple(int(v) for v in rows(db, sql)[0]))
+    (relayed, backlog, mid), (relayed_kafka, backlog_kafka, final) = hops
+    out: dict[str, Any] = {f"producer-{p}": int(producers.get(p, 0)) for p in range(cfg.producers)}
     out.update({f"rabbit-relay-{i}": relayed for i in range(2)})
     out.update({f"mid-{i}": mid for i in range(2)})
     out["kafka-relay-0"] = relayed_kafka
     out.update({f"final-{i}": final for i in range(2)})
     out.update(backlog=backlog, backlog_kafka=backlog_kafka, mid=mid, final=final)
     out["produced"] = sum(int(v) for v in producers.values())
-    # Roles inside a transaction and busy elsewhere now (their connections are named
-    # "{tag}:{role}-{index}"): a relay waiting for a broker's confirmation, a handler between
-    # two statements, a producer between its insert and its commit.
-    busy = rows(
-        pg,
+    # Roles inside a transaction and busy elsewhere now: a relay waiting for a broker's
+    # confirmation, a handler between two statements, a producer between its insert and
+    # its commit.
+    if cfg.mysql:
+        out["in_transaction"] = mysql_in_transaction(db, pipeline)
+        return out
+    busy = rows(  # PostgreSQL: connections are named "{tag}:{role}-{index}"
+        db,
         "SELECT DISTINCT application_name FROM pg_stat_activity "
         f"WHERE application_name LIKE '{cfg.tag}:%' AND state = 'idle in transaction'",
     )
     out["in_transaction"] = {r.application_name.split(":", 1)[1] for r in busy}
     return out
+
+
+def mysql_in_transaction(db: Any, pipeline: Pipeline | None) -> set[str]:
+    """MySQL/MariaDB: the role instances with a session idle inside an InnoDB transaction
+    in the test's database. A session has no name there: its client port (PROCESSLIST's
+    HOST) is matched to the role process that holds that socket (``ss -tnp``)."""
+    if pipeline is None or shutil.which("ss") is None:
+        return set()
+    ports = {
+        str(r.HOST).rsplit(":", 1)[-1]
+        for r in rows(
+            db,
+            "SELECT p.HOST FROM information_schema.INNODB_TRX t "
+            "JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id "
+            "WHERE p.COMMAND = 'Sleep' AND p.DB = DATABASE()",
+        )
+    }
+    if not ports:
+        return set()
+    names = {i.process.pid: i.name for i in pipeline.instances if i.process is not None}
+    listing = subprocess.run(
+        ["ss", "-tnpH", "state", "established"], capture_output=True, text=True, timeout=30
+    ).stdout
+    busy = set()
+    for line in listing.splitlines():
+        parts = line.split()
+        if len(parts) < 4 or parts[2].rsplit(":", 1)[-1] not in ports:
+            continue
+        for pid in re.findall(r"pid=(\d+)", line):
+            if int(pid) in names:
+                busy.add(names[int(pid)])
+    return busy
 
 
 def rows(pg: Any, sql: str) -> list[Any]:
@@ -473,10 +508,24 @@ def _some(items: Sequence[Any], count: int = 20) -> str:
     return ", ".join(map(str, items[:count])) + more
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """Every table of the run in one schema of its own: PostgreSQL, or a database of its own
+    on MariaDB (issue 34: the same chaos, PyMySQL and aiomysql)."""
+    yield from database(request, request.param, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(220)
+@pytest.mark.parametrize("offsets", ["broker", "database"])
 async def test_chaos_every_role_killed_each_effect_exactly_once_in_key_order(
-    pg: Any, kafka: KafkaService, topics: Topics, rabbit: Broker, amqp_url: str, tmp_path: Path
+    db: Any,
+    kafka: KafkaService,
+    topics: Topics,
+    rabbit: Broker,
+    amqp_url: str,
+    tmp_path: Path,
+    offsets: str,
 ) -> None:
     services.tool("rabbitmqctl", "the chaos test closes its RabbitMQ connections from the broker")
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(2**31))
@@ -497,9 +546,9 @@ async def test_chaos_every_role_killed_each_effect_exactly_once_in_key_order(
     cfg = Chaos(
         tag=tag,
         seed=seed,
-        pg_url=pg.url,
-        async_url=pg.async_url,
-        schema=pg.schema,
+        db_url=db.url,
+        async_url=db.async_url,
+        schema=db.schema,
         amqp_url=amqp_url,
         exchange=exchange,
         work_queue=work,
@@ -511,12 +560,13 @@ async def test_chaos_every_role_killed_each_effect_exactly_once_in_key_order(
         producers=PRODUCERS,
         events=EVENTS,
         keys=KEYS,
+        offsets=offsets,
     )
     tables, kafka_tables = cfg.tables()
-    install(pg.engine, tables)
-    install(pg.engine, kafka_tables)
-    create_business_tables(pg.engine, pg.schema)
-    pg_port = make_url(pg.url).port or 5432
+    install(db.engine, tables)
+    install(db.engine, kafka_tables)
+    create_business_tables(db.engine, db.schema)
+    db_port = make_url(db.url).port or (3306 if cfg.mysql else 5432)
 
     pipeline = Pipeline(cfg, tmp_path, rng)
     rabbit_close = Background(
@@ -534,7 +584,7 @@ async def test_chaos_every_role_killed_each_effect_exactly_once_in_key_order(
         pipeline.start()
         # Chaos: kill each role at its thresholds, close the broker connections once.
         while pipeline.elapsed() < CHAOS_LIMIT:
-            progress = progress_of(pg, cfg)
+            progress = progress_of(db, cfg, pipeline)
             spare = [
                 r for action in (rabbit_close, kafka_reset) if action.sparing for r in action.roles
             ]
@@ -545,7 +595,7 @@ async def test_chaos_every_role_killed_each_effect_exactly_once_in_key_order(
             if kafka_reset.due(pipeline, progress["final"]):
                 pids = pipeline.pids("kafka-relay", "final")
                 pipeline.note(f"{kafka_reset.what} (final progress {progress['final']})")
-                kafka_reset.fire(reset_tcp_connections, pids, pg_port)
+                kafka_reset.fire(reset_tcp_connections, pids, db_port)
             if pipeline.kills_pending() == 0 and rabbit_close.finished and kafka_reset.finished:
                 break
             await asyncio.sleep(0.1)
@@ -555,7 +605,7 @@ async def test_chaos_every_role_killed_each_effect_exactly_once_in_key_order(
         # Settle: no more kills; wait until every hop is done and the brokers are drained.
         last_change, last_seen = pipeline.elapsed(), None
         while pipeline.elapsed() < DEADLINE:
-            progress = progress_of(pg, cfg)
+            progress = progress_of(db, cfg)
             pipeline.tend(None)
             seen = {k: v for k, v in progress.items() if k != "in_transaction"}
             if seen != last_seen:
@@ -584,7 +634,7 @@ async def test_chaos_every_role_killed_each_effect_exactly_once_in_key_order(
     finally:
         pipeline.kill_all()
 
-    problems, per_key, names = verify(pg, cfg, rabbit, work, tap)
+    problems, per_key, names = verify(db, cfg, rabbit, work, tap)
     problems += await verify_kafka(cfg, topics, per_key["outbox_kafka"], names)
     if not settled:
         measured = "not measured" if lag is None else lag
@@ -633,8 +683,8 @@ def verify(
     for outbox in ("outbox", "outbox_kafka"):
         found = rows(
             pg,
-            "SELECT event_id, key, body, published_at, attempts, last_error "
-            f"FROM {t(outbox)} ORDER BY id",
+            "SELECT o.event_id, o.key, o.body, o.published_at, o.attempts, o.last_error "
+            f"FROM {t(outbox)} o ORDER BY o.id",
         )
         bodies = [json.loads(bytes(r.body)) for r in found]
         problems += exactly_once(
@@ -688,11 +738,11 @@ def verify(
             problems.append(f"processed_events of {consumer}: outcomes {dict(not_processed)}")
 
     # The Kafka consumers apply a key's events in outbox order (one partition per key).
-    applied = rows(pg, f"SELECT key, event_id FROM {t('final_effects')} ORDER BY seq")
+    applied = rows(pg, f"SELECT ekey, event_id FROM {t('final_effects')} ORDER BY seq")
     problems += in_order(
         "final_effects (order applied)",
         per_key["outbox_kafka"],
-        [(r.key, r.event_id) for r in applied],
+        [(r.ekey, r.event_id) for r in applied],
         names,
     )
 

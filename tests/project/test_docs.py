@@ -51,8 +51,9 @@ def ours(node: ast.stmt) -> bool:
 
 
 def quick_start() -> str:
+    """The library's quick start (the section leads with the App, from an example too)."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("### The library underneath", 1)[1].split("\n## ", 1)[0]
     found = FENCE.search(section)
     assert found and found.group(1) == "python", "the quick start has no python block"
     return found.group(2)

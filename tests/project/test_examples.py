@@ -28,6 +28,14 @@ def test_quickstart() -> None:
     assert "alice's balance: 25" in run("quickstart.py")
 
 
+def test_app_quickstart() -> None:
+    """The README's App, run on SQLite and the in-memory broker: a payment delivered twice
+    is credited once, a body without its amount is dead-lettered with the field at fault."""
+    out = run("app_quickstart.py")
+    assert "alice's balance: 25" in out
+    assert "dead-lettered: pay-2 (InvalidBody: body does not validate as Payment: amount" in out
+
+
 def test_memory_consumer() -> None:
     """The orders table has no unique key, so an order applied twice would be counted twice
     (not refused and dead-lettered); the example asserts the same before it prints."""

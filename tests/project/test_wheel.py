@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["pyproject.toml", "setup.py", "README.md", "consumerdedup", "adapters"]
-EXTRAS = "postgres,sqlite-async,kafka,rabbitmq,redis,fastapi"  # every public module imports
+# every public module imports with these
+EXTRAS = "postgres,sqlite-async,kafka,rabbitmq,redis,fastapi,app,celery,faststream,admin"
 
 pytestmark = pytest.mark.slow
 

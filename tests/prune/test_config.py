@@ -51,12 +51,17 @@ def test_config_and_settings_together_are_refused() -> None:
 
 
 def test_the_config_is_validated_at_construction_and_frozen() -> None:
-    with pytest.raises(ConfigurationError, match="batch_size must be an int >= 1"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"PrunerConfig.batch_size: expected an integer >= 1, got True \(bool\)",
+    ):
         PrunerConfig(WEEK, batch_size=True)
     config = PrunerConfig(WEEK)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.batch_size = 10  # type: ignore[misc]
-    with pytest.raises(ConfigurationError, match="outbox_keep must be positive"):
+    with pytest.raises(
+        ConfigurationError, match=r"PrunerConfig.outbox_keep: expected a timedelta > 0"
+    ):
         dataclasses.replace(config, outbox_keep=timedelta(0))  # replace validates again
 
 

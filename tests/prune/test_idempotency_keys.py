@@ -8,7 +8,9 @@ holds, and after pruning the same key is a new request.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,13 +21,18 @@ from consumerdedup.http.sql_store import SqlStore
 from consumerdedup.http.store import Claimed, Completed, Mismatch
 from consumerdedup.http.stored import StoredResponse
 from consumerdedup.prune.idempotency import ABANDONED_KEEP
-from tests.conftest import Database
+from tests.conftest import Database, database
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
 SCOPE = "POST /payments"
 OK = StoredResponse(201, (("content-type", "application/json"),), b'{"id": 1}')
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, request.param, tmp_path)
 
 
 def store_at(db: Database, moment: datetime) -> SqlStore:

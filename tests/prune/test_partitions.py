@@ -82,7 +82,9 @@ def test_partitioned_needs_postgresql_and_a_partitioned_table(
     tables = Tables.define(plain, pg.tables.outbox.fullname, partitioned=True)
     with pytest.raises(ConfigurationError, match="exists and is not partitioned"):
         install(pg.engine, tables)
-    with pytest.raises(ConfigurationError, match="must be a bool"):
+    with pytest.raises(
+        ConfigurationError, match=r"Tables.define\(partitioned\): expected True or False"
+    ):
         Tables.define(partitioned="yes")  # type: ignore[arg-type]
 
 

@@ -1,11 +1,13 @@
-"""Pruner against real SQLite and PostgreSQL: what goes, what stays, and who may prune."""
+"""Pruner against real SQLite, PostgreSQL and MariaDB: what goes, what stays, and who may
+prune."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,12 +17,17 @@ from consumerdedup import ConfigurationError, Pruner
 from consumerdedup.prune.report import PruneProgress, PruneReport
 from consumerdedup.prune.statements import PruneStatements
 from consumerdedup.prune.windows import UnknownConsumer
-from tests.conftest import Database
+from tests.conftest import Database, database
 from tests.core.test_lifecycle import MARGIN, NOTICED
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 DAY = timedelta(days=1)
 US = timedelta(microseconds=1)
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    yield from database(request, request.param, tmp_path)
 
 
 def clock() -> datetime:
@@ -265,18 +272,18 @@ def test_run_every_prunes_then_stops_on_request(db: Database) -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"retention": timedelta(days=-1)}, "retention must be positive"),
-        ({"retention": timedelta(0)}, "retention must be positive"),
+        ({"retention": timedelta(days=-1)}, r"PrunerConfig.retention: expected a timedelta > 0"),
+        ({"retention": timedelta(0)}, r"PrunerConfig.retention: expected a timedelta > 0"),
         ({"retention": timedelta.max}, "pass None to keep records forever"),
-        ({"retention": 7}, "must be a datetime.timedelta"),
-        ({"buffer": timedelta(0)}, "buffer must be positive"),
-        ({"buffer": timedelta(hours=-1)}, "buffer must be positive"),
-        ({"windows": {"a": timedelta(days=-2)}}, "window of consumer 'a' must be positive"),
-        ({"windows": {"": DAY}}, "non-empty str"),
-        ({"consumers": ["ok", ""]}, "non-empty str"),
+        ({"retention": 7}, r"or None to keep records forever, got 7 \(int\)"),
+        ({"buffer": timedelta(0)}, r"PrunerConfig.buffer: expected a timedelta > 0"),
+        ({"buffer": timedelta(hours=-1)}, r"PrunerConfig.buffer: expected a timedelta > 0"),
+        ({"windows": {"a": timedelta(days=-2)}}, r"PrunerConfig.windows\['a'\]: expected"),
+        ({"windows": {"": DAY}}, "PrunerConfig.windows key: expected a non-empty string"),
+        ({"consumers": ["ok", ""]}, r"PrunerConfig.consumers\[1\]: expected a non-empty string"),
         ({"batch_size": 0}, "batch_size"),
         ({"batch_pause": timedelta(seconds=-1)}, "batch_pause"),
-        ({"outbox_keep": timedelta(0)}, "outbox_keep must be positive"),
+        ({"outbox_keep": timedelta(0)}, "PrunerConfig.outbox_keep: expected a timedelta > 0"),
     ],
 )
 def test_bad_settings_are_configuration_errors(options: dict[str, Any], message: str) -> None:
@@ -293,7 +300,7 @@ def test_a_naive_clock_is_refused(db: Database) -> None:
 
 
 def test_every_must_be_positive(db: Database) -> None:
-    with pytest.raises(ConfigurationError, match="every must be positive"):
+    with pytest.raises(ConfigurationError, match="every: expected a timedelta > 0"):
         pruner(db).run(timedelta(0))
 
 
@@ -368,17 +375,29 @@ def test_the_lock_is_released_when_a_round_fails(pg: Database) -> None:
     assert survivors(pg) == set()  # the processed_events batches had committed
 
 
-def test_sqlite_pruners_side_by_side_delete_every_row_once(sqlite_db: Database) -> None:
-    """No lock on SQLite: the write lock serializes the batches, and counts still add up."""
-    add_events(sqlite_db, [("c", f"m{i}", NOW - 30 * DAY - i * US) for i in range(2000)])
+@pytest.fixture(params=["sqlite", "mariadb"])
+def lockless(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """The databases where pruners take no lock for the round."""
+    yield from database(request, request.param, tmp_path)
+
+
+def test_pruners_without_a_lock_side_by_side_delete_every_row_once(lockless: Database) -> None:
+    """No lock on SQLite (the write lock serializes the batches) nor on MariaDB (each batch
+    row-locks what it deletes): the counts still add up, every row deleted once."""
+    db = lockless
+    add_events(db, [("c", f"m{i}", NOW - 30 * DAY - i * US) for i in range(2000)])
     totals: list[int] = []
-    workers = [
-        threading.Thread(target=lambda: totals.append(pruner(sqlite_db, batch_size=50).prune()))
-        for _ in range(3)
-    ]
+    barrier = threading.Barrier(3)
+
+    def race() -> None:
+        one = pruner(db, batch_size=50)
+        barrier.wait()
+        totals.append(one.prune())
+
+    workers = [threading.Thread(target=race) for _ in range(3)]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join(60)
     assert sum(totals) == 2000
-    assert survivors(sqlite_db) == set()
+    assert survivors(db) == set()

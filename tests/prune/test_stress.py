@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -13,8 +14,8 @@ from sqlalchemy import text
 from consumerdedup import Deduplicator, Message, Outcome, Pruner
 from tests.conftest import Database
 
-MIN_SHARE = 0.25
-"""Of its rate alone, the least a consumer keeps while a batch prune runs beside it."""
+MAX_STALL_SHARE = 0.75
+"""Of a batch prune's run, the longest a consumer beside it may go without a commit."""
 
 
 @pytest.mark.slow
@@ -50,8 +51,6 @@ def test_a_million_expired_rows_go_while_a_consumer_keeps_working(pg: Database) 
     consumer = LiveConsumer(pg, ledger)
     consumer.start()
     assert consumer.wait_for(50), f"the consumer did not start: {consumer.problems}"
-    alone_from = time.monotonic()
-    time.sleep(1.5)  # the consumer's rate alone, on this machine, now
     started = time.monotonic()
     deleted = Pruner(pg.engine, timedelta(days=7), tables=pg.tables, clock=lambda: t0).run_once()
     ended = time.monotonic()
@@ -59,14 +58,14 @@ def test_a_million_expired_rows_go_while_a_consumer_keeps_working(pg: Database) 
 
     assert consumer.problems == []
     assert dict(deleted.deleted) == {"ledger": 1_000_000}
-    alone = consumer.processed_between(alone_from, started) / (started - alone_from)
-    during = consumer.processed_between(started, ended) / (ended - started)
-    print(f"consumer: {alone:.0f} msg/s alone, {during:.0f} msg/s during the prune")
-    # The README: a concurrent consumer kept 49-95% of its rate (bench, 2 cores). Here the
-    # test, the consumer, the pruner and PostgreSQL share the machine: half the low figure.
-    assert during >= MIN_SHARE * alone, (
-        f"the consumer ran at {during:.0f} msg/s while the pruner ran ({ended - started:.1f} s)"
-        f", {during / alone:.0%} of its {alone:.0f} msg/s alone"
+    # What a prune that locks the consumer out looks like: no commit for most of its run.
+    # Rates are for bench/bench_pruner.py (a 2-core machine shared with the rest of the
+    # suite makes any rate here noise); a stall spanning half the prune is not noise.
+    stall = consumer.longest_stall(started, ended)
+    print(f"prune {ended - started:.1f} s; the consumer's longest stall {stall:.2f} s")
+    assert consumer.processed_between(started, ended) > 0
+    assert stall < MAX_STALL_SHARE * (ended - started), (
+        f"the consumer committed nothing for {stall:.1f} s of the prune's {ended - started:.1f} s"
     )
     with pg.engine.connect() as conn:
         young = conn.execute(text(f"SELECT count(*) FROM {pe} WHERE message_id LIKE 'young-%'"))
@@ -108,6 +107,11 @@ class LiveConsumer:
 
     def processed_between(self, start: float, end: float) -> int:
         return sum(n for at, n in self.batches if start <= at <= end)
+
+    def longest_stall(self, start: float, end: float) -> float:
+        """The longest time within [start, end] with no batch committed."""
+        marks = [start, *(at for at, _ in self.batches if start < at < end), end]
+        return max(later - earlier for earlier, later in pairwise(marks))
 
     def _run(self) -> None:
         while not self._stop.is_set():

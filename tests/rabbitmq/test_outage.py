@@ -32,10 +32,17 @@ def test_the_broker_gone_for_seconds_mid_stream_is_waited_for_and_nothing_is_los
     url = f"amqp://{creds.username}:{creds.password}@127.0.0.1:{proxy.port}/%2F"
 
     dedup = Deduplicator(pg.engine, consumer="ledger", tables=pg.tables)
+    # The cut lands mid-stream by construction: the 300th handler call holds until the proxy
+    # is cut (polling for '>= 300 rows' left it to the scheduler how far the runner got).
+    calls: list[str] = []
+    at_300, cut = threading.Event(), threading.Event()
 
     @dedup.handler
     def apply(message: Message, session: Any) -> None:
-        time.sleep(0.001)
+        calls.append(message.id)
+        if len(calls) == 300:
+            at_300.set()
+            assert cut.wait(60), "the proxy was never cut"  # a hang guard
         session.execute(
             text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('a', 1, :m)"),
             {"m": message.id},
@@ -60,8 +67,9 @@ def test_the_broker_gone_for_seconds_mid_stream_is_waited_for_and_nothing_is_los
             time.sleep(0.05)
 
     try:
-        wait_for(lambda: rows() >= 300, "300 rows")
+        wait_for(at_300.is_set, "the 300th message")
         proxy.cut()
+        cut.set()
         wait_for(lambda: runner.reconnects >= 1, "the runner to notice")
         time.sleep(2)  # down for a while: the runner keeps trying, with backoff
         stalled = rows()

@@ -8,7 +8,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from sqlalchemy import text
 
 from consumerdedup import OutboxRelay, Outcome, RelayConfig
 from consumerdedup.adapters.rabbitmq import RabbitConfig, RabbitConsumerRunner, RabbitPublisher
+from tests.conftest import database
 from tests.contracts.outbox import RelayToBrokerContract
 from tests.support.outbox_events import Downstream, add_events, assert_drained
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
@@ -51,10 +54,16 @@ class RabbitSide:
         return Counter(runner.outcomes)
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def outbox_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """The shared scenarios' database: PostgreSQL and MariaDB (row locks, no NOTIFY)."""
+    yield from database(request, request.param, tmp_path)
+
+
 class TestRelayToRabbitMQ(RelayToBrokerContract):
     @pytest.fixture
-    def broker_side(self, pg: Any, rabbit: Broker) -> RabbitSide:
-        return RabbitSide(pg, rabbit)
+    def broker_side(self, outbox_db: Any, rabbit: Broker) -> RabbitSide:
+        return RabbitSide(outbox_db, rabbit)
 
 
 def test_broker_away_for_seconds_the_relay_backs_off_then_publishes_everything(

@@ -1,5 +1,6 @@
-"""RabbitConsumerRunner when the broker keeps closing things: a dead-letter exchange that
-does not exist, and connections that drop again and again (real broker, through a proxy)."""
+"""RabbitConsumerRunner when the broker keeps closing things: connections that drop again
+and again (real broker, through a proxy). A dead-letter exchange that does not exist:
+tests/rabbitmq/test_dead_letter_missing.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from typing import Any
 import pika
 import pytest
 
-from consumerdedup import Outcome
-from consumerdedup.headers import REASON_HEADER
 from tests.rabbitmq.test_runner import Consumer, body
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.support.tcp_proxy import Proxy
@@ -26,48 +25,6 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = 15.0) 
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_a_missing_dead_letter_exchange_holds_back_the_refused_message_only(
-    pg: Any, rabbit: Broker, batch_size: int
-) -> None:
-    queue, exchange = rabbit.queue(), rabbit.name("dlx")  # the exchange is never declared
-    rabbit.publish(queue, body(refuse="bad"), "m-1")
-    rabbit.publish(queue, body(n=2), "m-2")
-    consumer = Consumer(
-        pg,
-        rabbit,
-        queue,
-        dead_letter_exchange=exchange,
-        batch_size=batch_size,
-        retry_delay=timedelta(milliseconds=50),
-        max_retry_delay=timedelta(milliseconds=200),
-    )
-    stop = consumer.start()
-    try:
-        wait_for(lambda: consumer.applied() == ["m-2"], "the good message")
-        wait_for(lambda: consumer.runner.outcomes[Outcome.FAILED] >= 4, "the refusal again")
-    finally:
-        stop()
-
-    assert consumer.runner.reconnects == 0  # a refused dead letter is not a lost connection
-    assert consumer.runner.outcomes[Outcome.PROCESSED] == 1
-    assert consumer.runner.outcomes[Outcome.DUPLICATE] == 0  # m-2 was acked the first time
-    assert consumer.applied() == ["m-2"]
-    [(props, _)] = rabbit.peek(queue)  # only the refused message is still queued
-    assert props.message_id == "m-1"
-    assert rabbit.held(queue + ".dlq") == 0
-
-    # Once the exchange exists, the held message is dead-lettered and the queue empties.
-    rabbit.channel.exchange_declare(exchange, exchange_type="direct", durable=True)
-    rabbit.channel.queue_bind(queue + ".dlq", exchange, routing_key=queue + ".dlq")
-    Consumer(pg, rabbit, queue, consumer.ledger, dead_letter_exchange=exchange).runner.run(
-        until_idle=True
-    )
-    [(props, _)] = rabbit.peek(queue + ".dlq")
-    assert props.message_id == "m-1" and "bad" in props.headers[REASON_HEADER]
-    assert rabbit.held(queue) == 0
 
 
 def test_reconnect_delays_grow_while_connections_keep_dropping_and_reset_after_progress(

@@ -26,6 +26,7 @@ from consumerdedup.adapters.rabbitmq import (
     SOURCE_HEADER,
     BrokerRefused,
     BrokerUnavailable,
+    DeadLetterMissing,
     RabbitConfig,
     RabbitConsumerRunner,
     TopologyError,
@@ -197,25 +198,25 @@ def test_declare_creates_the_queue_a_dead_letter_exchange_and_its_queue(
     assert rabbit.held(queue) == 0
 
 
-def test_without_a_dead_letter_queue_the_failed_message_stays_until_there_is_one(
+def test_without_a_dead_letter_queue_the_runner_stops_and_the_message_stays_until_there_is_one(
     db: Any, rabbit: Broker
 ) -> None:
+    """No queue takes the dead letter: a setup fault, not "not there yet" (issue 38, item 5;
+    bounded and with the old behaviour's failure: tests/rabbitmq/test_dead_letter_missing.py)."""
     queue = rabbit.queue(dead_letter=False)
     rabbit.publish(queue, body(refuse="bad"), "m-1")
     rabbit.publish(queue, body(n=2), "m-2")
-    consumer = Consumer(db, rabbit, queue, retry_delay=timedelta(milliseconds=100))
-    stop = consumer.start()
-    deadline = time.monotonic() + 30
-    while consumer.runner.outcomes[Outcome.FAILED] < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stop()
-    assert consumer.applied() == ["m-2"]
-    assert rabbit.held(queue) == 1  # the refused message was not acked: nothing lost
+    consumer = Consumer(db, rabbit, queue, retry_delay=timedelta(milliseconds=100), batch_size=1)
+    with pytest.raises(DeadLetterMissing, match="declare the dead-letter queue"):
+        consumer.runner.run(until_idle=True)
+    assert consumer.applied() == []
+    assert rabbit.held(queue) == 2  # the refused message was not acked: nothing lost
 
     rabbit.channel.queue_declare(queue + ".dlq", durable=True)
     Consumer(db, rabbit, queue, consumer.ledger).runner.run(until_idle=True)
     [(props, _)] = dead_letters(rabbit, queue)
     assert props.message_id == "m-1" and "bad" in props.headers[REASON_HEADER]
+    assert consumer.applied() == ["m-2"]
     assert rabbit.held(queue) == 0
 
 

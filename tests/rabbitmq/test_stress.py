@@ -41,15 +41,21 @@ def runner_for(
     worker: str = "w",
     seen: list[Result] | None = None,
     slow: float = 0.0,
+    hold_at: int = 0,
     **config: Any,
 ) -> RabbitConsumerRunner:
-    """A runner whose handler inserts one ledger row per message (``account`` = ``worker``)."""
+    """A runner whose handler inserts one ledger row per message (``account`` = ``worker``).
+    ``hold_at``: its call of that number never returns (the process is to be killed)."""
     observers = [seen.append] if seen is not None else []
     dedup = Deduplicator(engine, consumer="ledger", tables=tables, observers=observers)
+    calls: list[str] = []
 
     @dedup.handler
     def apply(message: Message, session: Any) -> None:
         data = message.json()
+        calls.append(message.id)
+        if len(calls) == hold_at:
+            threading.Event().wait()  # mid-batch, its deliveries unacked, until SIGKILL
         if slow:
             time.sleep(slow)
         session.execute(
@@ -120,6 +126,7 @@ def consume_until_signalled(
         worker=worker,
         seen=seen,
         slow=0.004,
+        hold_at=100 if worker == "a" else 0,  # killed mid-stream by construction
         prefetch=40,
         batch_size=10,
         connection_name=f"{queue}-{worker}",
@@ -139,7 +146,6 @@ def test_three_runners_one_killed_mid_stream_apply_each_message_once(
     total = 3000
     ledger = pg.create_ledger()
     queue = rabbit.queue("kill")
-    publish_ids(rabbit, queue, [f"pay-{i:05d}" for i in range(total)])
     names = (pg.tables.processed_events.fullname, pg.tables.outbox.fullname)
     children = {}
     for worker in ("a", "b", "c"):
@@ -151,6 +157,14 @@ def test_three_runners_one_killed_mid_stream_apply_each_message_once(
         sql = f"SELECT count(*) FROM {ledger} WHERE account = '{worker}'"
         return int(pg.scalar(sql))
 
+    def consumers() -> int:
+        return int(rabbit.channel.queue_declare(queue, passive=True).method.consumer_count)
+
+    # The messages come once all three consume: the queue hands each its share (published
+    # before, the first runners could take all 3,000 while a slow spawn was still starting,
+    # and 'runner c to get going' waited out its guard).
+    wait_for(lambda: consumers() == 3, 120, "the three runners to consume the queue")
+    publish_ids(rabbit, queue, [f"pay-{i:05d}" for i in range(total)])
     for worker in children:  # all three consuming side by side
         wait_for(lambda w=worker: rows_by(w) >= 50, 120, f"runner {worker} to get going")
     children["a"].kill()  # SIGKILL: no cleanup, its unacked deliveries go back to the queue

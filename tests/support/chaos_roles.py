@@ -59,7 +59,8 @@ class Chaos:
     tag: str
     """Unique per run: broker connection names and the producers' lock start with it."""
     seed: int
-    pg_url: str
+    db_url: str
+    """PostgreSQL (psycopg) or MySQL/MariaDB (PyMySQL; async_url: aiomysql)."""
     async_url: str
     schema: str
     amqp_url: str
@@ -79,6 +80,9 @@ class Chaos:
     burst: int = 8
     """... which are about this long: relay rounds of several rows, so that a relay killed
     in its transaction has often published some of them already (and publishes them again)."""
+    offsets: str = "broker"
+    """The Kafka consumers' ``KafkaConfig.offsets``: "database" keeps them in
+    consumer_offsets, in each chunk's transaction (issue 36)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -97,14 +101,24 @@ class Chaos:
             Tables.define(events, f"{self.schema}.outbox_kafka"),
         )
 
+    @property
+    def mysql(self) -> bool:
+        return self.db_url.startswith(("mysql", "mariadb"))
+
+    def connect_args(self, role: str, index: int) -> dict[str, str]:
+        """PostgreSQL: connections named ``{tag}:{role}-{index}`` in pg_stat_activity (the
+        test kills some roles while they are inside a transaction). MySQL has no such
+        name: the test finds a role's sessions by their client ports (test_chaos)."""
+        if self.mysql:
+            return {}
+        return {"application_name": application_name(self.tag, role, index)}
+
     def engine(self, role: str, index: int, pool_size: int = 2) -> Engine:
-        """An engine whose connections show ``{tag}:{role}-{index}`` in pg_stat_activity:
-        the test kills some roles while they are inside a transaction."""
         return create_engine(
-            self.pg_url,
+            self.db_url,
             pool_size=pool_size,
             max_overflow=2,
-            connect_args={"application_name": application_name(self.tag, role, index)},
+            connect_args=self.connect_args(role, index),
         )
 
     def table(self, name: str) -> str:
@@ -134,19 +148,23 @@ def event_key(seed: int, producer: int, n: int, keys: int) -> str:
 
 def create_business_tables(engine: Engine, schema: str) -> None:
     """One table per hop, WITHOUT unique keys: a message applied twice is a second row.
-    ``seq`` numbers rows in insertion order, to check per-key order."""
+    ``seq`` numbers rows in insertion order, to check per-key order (MySQL: an
+    AUTO_INCREMENT key, which it must be; the business id stays without one). The event's
+    key is ``ekey`` (KEY is a reserved word in MySQL)."""
+    mysql = engine.dialect.name in ("mysql", "mariadb")
+    seq = "seq BIGINT AUTO_INCREMENT PRIMARY KEY" if mysql else "seq BIGSERIAL"
     with engine.begin() as conn:
         conn.execute(
             text(
                 f"CREATE TABLE {schema}.produced "
-                "(seq BIGSERIAL, producer INT, n INT, id TEXT, key TEXT)"
+                f"({seq}, producer INT, n INT, id VARCHAR(64), ekey VARCHAR(64))"
             )
         )
         for hop in ("mid_effects", "final_effects"):
             conn.execute(
                 text(
-                    f"CREATE TABLE {schema}.{hop} "
-                    "(seq BIGSERIAL, id TEXT, key TEXT, event_id TEXT, worker TEXT)"
+                    f"CREATE TABLE {schema}.{hop} ({seq}, id VARCHAR(64), ekey VARCHAR(64), "
+                    "event_id VARCHAR(64), worker VARCHAR(64))"
                 )
             )
 
@@ -157,15 +175,20 @@ def produce(cfg: Chaos, index: int) -> None:
 
     A session-level advisory lock (per run and producer) on the same connection: it is taken
     only once the previous incarnation's backend has ended, so after anything that process
-    sent (a COMMIT in flight) has been applied, and the resume point is exact.
+    sent (a COMMIT in flight) has been applied, and the resume point is exact. MySQL:
+    GET_LOCK, a session's named lock, released alike when its session ends.
     """
     engine = cfg.engine("producer", index, pool_size=1)
     outbox = Outbox(cfg.tables()[0])
     produced = cfg.table("produced")
     with engine.connect() as conn:
-        conn.execute(
-            text("SELECT pg_advisory_lock(hashtext(:tag), :p)"), {"tag": cfg.tag, "p": index}
-        )
+        if cfg.mysql:
+            got = conn.execute(text("SELECT GET_LOCK(:name, 120)"), {"name": f"{cfg.tag}:{index}"})
+            assert got.scalar() == 1, "the previous incarnation's session never ended"
+        else:
+            conn.execute(
+                text("SELECT pg_advisory_lock(hashtext(:tag), :p)"), {"tag": cfg.tag, "p": index}
+            )
         last = conn.execute(
             text(f"SELECT coalesce(max(n), -1) FROM {produced} WHERE producer = :p"), {"p": index}
         ).scalar_one()
@@ -176,7 +199,7 @@ def produce(cfg: Chaos, index: int) -> None:
             body = json.dumps({"id": name, "key": key}).encode()
             with Session(bind=conn) as session, session.begin():
                 session.execute(
-                    text(f"INSERT INTO {produced} (producer, n, id, key) VALUES (:p, :n, :i, :k)"),
+                    text(f"INSERT INTO {produced} (producer, n, id, ekey) VALUES (:p, :n, :i, :k)"),
                     {"p": index, "n": n, "i": name, "k": key},
                 )
                 outbox.add(session, f"{cfg.exchange}/", body, key=key)
@@ -220,7 +243,7 @@ def mid_consumer(cfg: Chaos, index: int) -> None:
     def forward(message: Message, session: Session) -> None:
         data = message.json()
         session.execute(
-            text(f"INSERT INTO {effects} (id, key, event_id, worker) VALUES (:i, :k, :e, :w)"),
+            text(f"INSERT INTO {effects} (id, ekey, event_id, worker) VALUES (:i, :k, :e, :w)"),
             {"i": data["id"], "k": data["key"], "e": message.id, "w": f"mid-{index}"},
         )
         outbox.add(session, cfg.topic, message.body, key=data["key"])
@@ -246,7 +269,7 @@ def final_consumer(cfg: Chaos, index: int) -> None:
 
     tables = cfg.tables()[1]
     effects = cfg.table("final_effects")
-    insert = text(f"INSERT INTO {effects} (id, key, event_id, worker) VALUES (:i, :k, :e, :w)")
+    insert = text(f"INSERT INTO {effects} (id, ekey, event_id, worker) VALUES (:i, :k, :e, :w)")
 
     def row(message: Message) -> dict[str, str]:
         data = message.json()
@@ -254,7 +277,7 @@ def final_consumer(cfg: Chaos, index: int) -> None:
 
     handler: AsyncDedupHandler | DedupHandler
     if index % 2 == 0:
-        name = {"application_name": application_name(cfg.tag, "final", index)}
+        name = cfg.connect_args("final", index)
         engine = create_async_engine(cfg.async_url, pool_size=2, connect_args=name)
         async_dedup = AsyncDeduplicator(engine, consumer=FINAL_CONSUMER, tables=tables)
 
@@ -279,6 +302,7 @@ def final_consumer(cfg: Chaos, index: int) -> None:
         max_retry_delay=timedelta(milliseconds=200),
         idempotent_producer=cfg.idempotence,
         consumer_options=cfg.group_options,
+        offsets=cfg.offsets,
     )
     runner = KafkaConsumerRunner(
         handler, cfg.topic, bootstrap_servers=cfg.bootstrap, group_id=cfg.group, config=config

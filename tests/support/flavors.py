@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import text
 
 from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Result
+from tests.support.async_drivers import async_engine
 
 Behavior = Callable[[Message], Sequence[tuple[str, dict[str, Any]]]]
 
@@ -125,6 +126,16 @@ class AsyncFlavor:
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.dispose())
         self.loop.close()
+
+
+class AsyncpgFlavor(AsyncFlavor):
+    """AsyncDeduplicator on asyncpg (PostgreSQL only): the guard verifies through the server
+    what it reads locally on psycopg (consumerdedup.dedup.asyncpg_watch)."""
+
+    def __init__(self, db: Any, claim_first: bool = True) -> None:
+        super().__init__(db, claim_first)
+        self.loop.run_until_complete(self.engine.dispose())
+        self.engine = async_engine(db.url, "asyncpg", pool_size=20, max_overflow=10)
 
 
 class _Runner:

@@ -8,7 +8,9 @@ broker here. On such a cluster aiokafka waits ``request_timeout_ms`` for
 metadata of the unknown topic, then raises UnknownTopicOrPartitionError (or
 the send times out with KafkaTimeoutError). ``NoAutoCreate`` raises that same
 aiokafka error at once for a topic the broker does not list, and sends
-everything else for real. Install it with ``no_auto_create(monkeypatch)``.
+everything else for real. Install it with ``no_auto_create(monkeypatch)``, which also makes
+the publisher's topic check before a first send (a metadata request that may create the
+topic, as a send would) ask without creating: the answer such a cluster gives.
 
 ``GrantsIdempotence``: a broker that grants idempotent producers (Tansu 0.6 refuses
 InitProducerId, so there the default dead-letter producer cannot even start). It records
@@ -25,6 +27,7 @@ from typing import Any, ClassVar
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import UnknownTopicOrPartitionError
+from aiokafka.protocol.metadata import MetadataRequest
 
 
 class NoAutoCreate(AIOKafkaProducer):  # type: ignore[misc]
@@ -46,6 +49,12 @@ def no_auto_create(
     """Make KafkaPublisher use NoAutoCreate, raising ``error`` for a missing topic."""
     double = type("NoAutoCreate", (NoAutoCreate,), {"error": error, "refused": []})
     monkeypatch.setattr("consumerdedup.adapters.kafka.connection.AIOKafkaProducer", double)
+
+    def never_creating(topics: list[str], allow_auto_topic_creation: bool) -> MetadataRequest:
+        return MetadataRequest(topics, allow_auto_topic_creation=False)
+
+    checks = "consumerdedup.adapters.kafka.publish_failures.MetadataRequest"
+    monkeypatch.setattr(checks, never_creating, raising=False)
     return double
 
 
@@ -62,6 +71,9 @@ class GrantsIdempotence:
     sent: ClassVar[list[Sent]] = []
     script: ClassVar[list[tuple[str, Exception]]] = []
     """("start" or "send", the aiokafka error that step raises next), in order."""
+
+    client: ClassVar[Any] = None
+    """No metadata requests: the dead-letter topic check gets no answer, the send tells."""
 
     def __init__(self, **settings: Any) -> None:
         self.built.append(settings)

@@ -75,7 +75,10 @@ class Downstream:
         self.ledger = db.name("applied")
         with db.engine.begin() as conn:
             conn.execute(
-                text(f"CREATE TABLE {self.ledger} (n SERIAL, key TEXT, seq INT, event_id TEXT)")
+                # ``event_key``: KEY is a reserved word on MySQL and MariaDB.
+                text(
+                    f"CREATE TABLE {self.ledger} (n SERIAL, event_key TEXT, seq INT, event_id TEXT)"
+                )
             )
         dedup = Deduplicator(db.engine, consumer="downstream", tables=db.tables)
         self.handler: DedupHandler = dedup.handler(self._apply)
@@ -83,12 +86,14 @@ class Downstream:
     def _apply(self, message: Message, session: Session) -> None:
         key, seq = message.body.decode().split(":")
         session.execute(
-            text(f"INSERT INTO {self.ledger} (key, seq, event_id) VALUES (:k, :s, :e)"),
+            text(f"INSERT INTO {self.ledger} (event_key, seq, event_id) VALUES (:k, :s, :e)"),
             {"k": key, "s": int(seq), "e": message.id},
         )
 
     def applied(self) -> list[tuple[str, int, str]]:
         """(key, seq, event_id) in the order applied."""
         with self.db.engine.connect() as conn:
-            rows = conn.execute(text(f"SELECT key, seq, event_id FROM {self.ledger} ORDER BY n"))
+            rows = conn.execute(
+                text(f"SELECT event_key, seq, event_id FROM {self.ledger} ORDER BY n")
+            )
             return [(str(k), int(s), str(e)) for k, s, e in rows]

@@ -129,6 +129,16 @@ class Broker:
                 return int(ok.message_count)
             time.sleep(0.05)
 
+    def reaches(self, queue: str, count: int, timeout: float = 20.0) -> int:
+        """Waits until ``queue`` holds ``count`` messages (dead-lettering is asynchronous:
+        a nack returns before the message lands in the DLQ); returns what it holds then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            held = self.held(queue, timeout)
+            if held == count or time.monotonic() > deadline:
+                return held
+            time.sleep(0.02)
+
     def peek(self, queue: str) -> list[tuple[Any, bytes]]:
         """(properties, body) of every ready message of ``queue``, left in place, in order."""
         out = []

@@ -20,17 +20,33 @@ class Proxy:
         self.accepted: list[float] = []
         """When each client connection came (time.monotonic())."""
         self.lock = threading.Lock()
+        self.held: socket.socket | None = None
+        """The port's socket while cut: bound, not listening."""
         self.restore()
 
     def restore(self) -> None:
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", self.port))
+        self.listener = self.held if self.held is not None else self._bound(self.port)
+        self.held = None
         self.listener.listen(16)
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
 
+    @staticmethod
+    def _bound(port: int) -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", port))
+        return sock
+
     def cut(self) -> None:
+        # The port stays ours through the outage: a socket bound to it, not listening, is
+        # refused connections as a stopped broker's port is, and no other process (another
+        # test's bind(0) or outgoing connection) can take it meanwhile. Closed, it once was
+        # taken, and restore() failed with EADDRINUSE. Bound before the listener closes
+        # (SO_REUSEPORT on both), so there is no moment the port is free.
+        if self.held is None:
+            self.held = self._bound(self.port)
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it
         self.listener.close()

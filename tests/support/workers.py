@@ -28,7 +28,9 @@ Names = tuple[str, str, bool]
 
 
 def _deduplicator(url: str, names: Names, ledger: str, **options: Any) -> Any:
-    connect_args = {"timeout": 60} if url.startswith("sqlite") else {}
+    connect_args: dict[str, Any] = {"timeout": 60} if url.startswith("sqlite") else {}
+    if url.startswith("postgresql"):  # the race's sessions, told apart in pg_stat_activity
+        connect_args["application_name"] = f"race-{ledger}"
     engine = create_engine(url, connect_args=connect_args)
     events, outbox, partitioned = names
     tables = Tables.define(events, outbox, partitioned=partitioned)
@@ -89,6 +91,10 @@ def race(
     about the same pace, so twins meet often), or with ``seed=None`` in the same order in
     every worker (twins meet at nearly every id).
 
+    On MySQL/MariaDB, shuffled, every worker delivers the first id first and its first
+    claimer holds until InnoDB shows a twin waiting on its claim (``_meet_on_innodb``):
+    twins meet by construction, not by the scheduler's luck.
+
     ``unlocked``: the partitioned claim's advisory lock is taken out (``no_claim_lock``).
     Returns the outcome counts, the handler's calls, and for each delivery the id, outcome,
     when its first transaction began and when its last COMMIT was sent (None if none was),
@@ -97,8 +103,13 @@ def race(
     if unlocked:
         partitioned_statements.lock = no_claim_lock  # read when the Deduplicator is built
     engine, dedup, insert = _deduplicator(url, names, ledger)
-    handle = dedup.handler(claim_first=claim_first)(insert)
     ids = list(bodies)
+    meet = seed is None  # in lockstep every worker delivers ids[0] first
+    mysql = url.startswith(("mysql", "mariadb"))
+    handler = _meet_at_first_id(insert, ids[0], engine, ledger, unlocked) if meet else insert
+    if mysql and not meet:  # shuffled: twins meet by construction at ids[0], delivered first
+        handler = _meet_on_innodb(insert, ids[0], url)
+    handle = dedup.handler(claim_first=claim_first)(handler)
     if seed is None:  # ``copies`` passes over the ids: each worker meets the others at each
         deliveries = [mid for _ in range(copies) for mid in ids]
     else:  # shuffled within blocks of ids that the workers go through together
@@ -107,6 +118,9 @@ def race(
             chunk = [mid for mid in ids[start : start + block] for _ in range(copies)]
             rng.shuffle(chunk)
             deliveries += chunk
+    if mysql and not meet:
+        deliveries.remove(ids[0])
+        deliveries.insert(0, ids[0])
     assert _start_together is not None, "a race's pool has start_together as initializer"
     _start_together.wait(timeout=120)  # all workers start together
     outcomes: Counter[str] = Counter()
@@ -120,6 +134,55 @@ def race(
         outcomes[outcome] += 1
     engine.dispose()
     return {"outcomes": dict(outcomes), "calls": len(insert.calls), "timeline": timeline}
+
+
+def _meet_at_first_id(insert: Any, first_id: str, engine: Any, ledger: str, unlocked: bool) -> Any:
+    """``insert`` whose call for the first id (in lockstep every worker delivers it first)
+    holds until its twins are there, so the race's twins meet by construction, not by the
+    scheduler's luck (on 2 busy cores they once never met, and a CI run failed on it).
+
+    With the claim's lock every twin waits on it: the call holds until PostgreSQL shows
+    one of the race's sessions waiting on a lock. With the lock taken out nothing keeps
+    twins apart: every worker is inside this call at once, at the race's barrier."""
+
+    def handler(message: Message, session: Session) -> None:
+        if message.id == first_id:
+            if unlocked:
+                assert _start_together is not None
+                _start_together.wait(timeout=60)  # a lock that still held would break this
+            else:
+                _await_a_twin_on_the_lock(engine, ledger)
+        insert(message, session)
+
+    return handler
+
+
+def _meet_on_innodb(insert: Any, first_id: str, url: str) -> Any:
+    """``insert`` whose first call for ``first_id`` holds (its claim row locked) until
+    InnoDB shows another session of the race's database waiting on a lock."""
+    held = False
+
+    def handler(message: Message, session: Session) -> None:
+        nonlocal held
+        if message.id == first_id and not held:
+            held = True
+            _await_a_twin_on_innodb_lock(url)
+        insert(message, session)
+
+    return handler
+
+
+def _await_a_twin_on_the_lock(engine: Any, ledger: str) -> None:
+    waiting = text(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE application_name = :name AND wait_event_type = 'Lock'"
+    )
+    deadline = time.monotonic() + 60
+    with engine.connect() as conn:
+        while conn.execute(waiting, {"name": f"race-{ledger}"}).scalar() == 0:
+            conn.rollback()  # a fresh snapshot of pg_stat_activity on the next read
+            assert time.monotonic() < deadline, "no twin ever waited on the first id's claim"
+            time.sleep(0.005)  # polling a condition, not waiting out a guess
 
 
 def collisions(timelines: list[list[tuple[str, str, float, float | None]]]) -> int:
@@ -196,4 +259,137 @@ def crash_in_batch(url: str, names: Names, ledger: str, bodies: list[bytes], ste
     event.listen(Session, "after_commit", after_commit)
     messages = [Message(id=f"b-{i}", body=body) for i, body in enumerate(bodies, start=1)]
     dedup.handler(handler).batch(messages)
+    raise AssertionError(f"step {step!r} never reached")
+
+
+# asyncio: the same race and the same deaths through AsyncDeduplicator -------------------
+
+
+def _async_deduplicator(url: str, names: Names, ledger: str) -> Any:
+    """``_deduplicator``'s twin on an AsyncEngine (``url``: an asyncio driver's URL)."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from consumerdedup import AsyncDeduplicator
+
+    engine = create_async_engine(url)
+    events, outbox, partitioned = names
+    tables = Tables.define(events, outbox, partitioned=partitioned)
+    dedup = AsyncDeduplicator(engine, consumer="ledger", tables=tables)
+    calls: list[str] = []
+
+    async def insert(message: Message, session: AsyncSession) -> None:
+        calls.append(message.id)
+        data = message.json()
+        await session.execute(
+            text(f"INSERT INTO {ledger} (account, amount, message_id) VALUES (:a, :n, :m)"),
+            {"a": data["account"], "n": data["amount"], "m": message.id},
+        )
+
+    insert.calls = calls  # type: ignore[attr-defined]
+    begins: list[float] = []
+    event.listen(engine.sync_engine, "begin", lambda conn: begins.append(time.monotonic()))
+    insert.begins = begins  # type: ignore[attr-defined]
+    commits: list[float] = []
+    event.listen(engine.sync_engine, "commit", lambda conn: commits.append(time.monotonic()))
+    insert.commits = commits  # type: ignore[attr-defined]
+    return engine, dedup, insert
+
+
+def race_async(
+    url: str,
+    async_url: str,
+    names: Names,
+    ledger: str,
+    bodies: dict[str, bytes],
+    copies: int,
+    seed: int,
+    block: int = 100,
+) -> dict[str, Any]:
+    """``race`` through AsyncDeduplicator on MySQL/MariaDB: every id ``copies`` times,
+    shuffled by ``seed`` within blocks. Every worker delivers the first id first, and the
+    first worker's handler for it holds (its claim row locked) until InnoDB shows another
+    session of this database waiting on a lock: twins meet by construction. ``url`` (the
+    blocking driver's) only serves that look at information_schema.INNODB_TRX."""
+    import asyncio
+
+    ids = list(bodies)
+    rng, deliveries = random.Random(seed), [ids[0]]
+    for start in range(0, len(ids), block):
+        chunk = [mid for mid in ids[start : start + block] for _ in range(copies)]
+        if start == 0:
+            chunk.remove(ids[0])  # delivered first, above
+        rng.shuffle(chunk)
+        deliveries += chunk
+    assert _start_together is not None, "a race's pool has start_together as initializer"
+
+    async def main() -> dict[str, Any]:
+        engine, dedup, insert = _async_deduplicator(async_url, names, ledger)
+        held = False
+
+        async def handler(message: Message, session: Any) -> None:
+            nonlocal held
+            if message.id == ids[0] and not held:
+                held = True
+                await asyncio.to_thread(_await_a_twin_on_innodb_lock, url)
+            await insert(message, session)
+
+        handle = dedup.handler(handler)
+        _start_together.wait(timeout=120)
+        outcomes: Counter[str] = Counter()
+        timeline: list[tuple[str, str, float, float | None]] = []
+        begins, commits = insert.begins, insert.commits
+        for mid in deliveries:
+            first, committed = len(begins), len(commits)
+            outcome = (await handle(Message(id=mid, body=bodies[mid]))).value
+            last_commit = commits[-1] if len(commits) > committed else None
+            timeline.append((mid, outcome, begins[first], last_commit))
+            outcomes[outcome] += 1
+        await engine.dispose()
+        return {"outcomes": dict(outcomes), "calls": len(insert.calls), "timeline": timeline}
+
+    return asyncio.run(main())
+
+
+def _await_a_twin_on_innodb_lock(url: str) -> None:
+    """Until a session of ``url``'s database waits on an InnoDB row lock (here: a twin's
+    claim INSERT on the held claim row). The first worker to claim the first id waits
+    here; its twins' claims queue on its row."""
+    engine = create_engine(url, poolclass=None)
+    waiting = text(
+        "SELECT count(*) FROM information_schema.INNODB_TRX t "
+        "JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id "
+        "WHERE t.trx_state = 'LOCK WAIT' AND p.DB = DATABASE()"
+    )
+    deadline = time.monotonic() + 60
+    try:
+        with engine.connect() as conn:
+            while conn.execute(waiting).scalar() == 0:
+                conn.rollback()
+                assert time.monotonic() < deadline, "no twin ever waited on the first id's claim"
+                time.sleep(0.005)  # polling a condition, not waiting out a guess
+    finally:
+        engine.dispose()
+
+
+def crash_at_async(url: str, names: Names, ledger: str, body: bytes, step: str) -> None:
+    """``crash_at`` through AsyncDeduplicator (``url``: an asyncio driver's URL)."""
+    import asyncio
+
+    engine, dedup, insert = _async_deduplicator(url, names, ledger)
+
+    def die() -> None:
+        os._exit(CRASH_EXIT)
+
+    async def handler(message: Message, session: Any) -> None:
+        if step == "before_handler":
+            die()
+        await insert(message, session)
+        if step == "in_handler":
+            die()
+
+    if step == "after_insert":  # the dedup row is written, COMMIT not yet sent
+        event.listen(engine.sync_engine, "commit", lambda conn: die())
+    if step == "after_commit":  # committed, but the broker was never acked
+        event.listen(Session, "after_commit", lambda session: die())  # AsyncSession's too
+    asyncio.run(dedup.handler(handler)(Message(id="p-1", body=body)))
     raise AssertionError(f"step {step!r} never reached")
