@@ -118,8 +118,10 @@ def test_sixteen_async_workers_racing_every_id_three_times_on_mariadb_apply_each
         totals.update(result["outcomes"])
     calls = sum(result["calls"] for result in results)
     collided = workers.collisions([result["timeline"] for result in results])
+    redelivered = sum(result["redelivered"] for result in results)
 
     print(f"{collided} twins met in flight; the handler ran {calls} times for {IDS} ids")
+    print(f"{redelivered} deliveries ended RETRY and came again (workers.REDELIVERIES)")
     assert_each_applied_once(db, ledger, bodies)
     assert totals["processed"] == IDS
     assert totals["duplicate"] == IDS * (COPIES * WORKERS - 1)
@@ -165,6 +167,8 @@ def run_race(
     for result in results:
         totals.update(result["outcomes"])
     calls = sum(result["calls"] for result in results)
+    redelivered = sum(result["redelivered"] for result in results)
+    print(f"{redelivered} deliveries ended RETRY and came again (workers.REDELIVERIES)")
     return totals, calls, workers.collisions([result["timeline"] for result in results])
 
 

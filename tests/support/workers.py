@@ -64,6 +64,12 @@ def no_claim_lock(table: Any) -> TextualSelect:
     ).columns(isolation=String(), locked=Integer(), consumer=String())
 
 
+REDELIVERIES = 20
+"""A race worker delivers a message that ended RETRY again, as a broker would, up to this
+many times in all: the totals count each delivery's final outcome. A RETRY is the answer
+to contention (a lock wait that timed out while 20 processes share 2 cores), not a fault;
+the invariants are checked on the tables, and ``redelivered`` says how often it came."""
+
 _start_together: Any = None
 """The barrier of this worker's race (``start_together``)."""
 
@@ -126,14 +132,23 @@ def race(
     outcomes: Counter[str] = Counter()
     timeline: list[tuple[str, str, float, float | None]] = []
     begins, commits = insert.begins, insert.commits
+    redelivered = 0
     for mid in deliveries:
         first, committed = len(begins), len(commits)
         outcome = handle(Message(id=mid, body=bodies[mid])).value
+        while outcome == "retry" and redelivered < REDELIVERIES:  # as a broker would
+            redelivered += 1
+            outcome = handle(Message(id=mid, body=bodies[mid])).value
         last_commit = commits[-1] if len(commits) > committed else None
         timeline.append((mid, outcome, begins[first], last_commit))
         outcomes[outcome] += 1
     engine.dispose()
-    return {"outcomes": dict(outcomes), "calls": len(insert.calls), "timeline": timeline}
+    return {
+        "outcomes": dict(outcomes),
+        "calls": len(insert.calls),
+        "timeline": timeline,
+        "redelivered": redelivered,
+    }
 
 
 def _meet_at_first_id(insert: Any, first_id: str, engine: Any, ledger: str, unlocked: bool) -> Any:
@@ -338,14 +353,23 @@ def race_async(
         outcomes: Counter[str] = Counter()
         timeline: list[tuple[str, str, float, float | None]] = []
         begins, commits = insert.begins, insert.commits
+        redelivered = 0
         for mid in deliveries:
             first, committed = len(begins), len(commits)
             outcome = (await handle(Message(id=mid, body=bodies[mid]))).value
+            while outcome == "retry" and redelivered < REDELIVERIES:  # as a broker would
+                redelivered += 1
+                outcome = (await handle(Message(id=mid, body=bodies[mid]))).value
             last_commit = commits[-1] if len(commits) > committed else None
             timeline.append((mid, outcome, begins[first], last_commit))
             outcomes[outcome] += 1
         await engine.dispose()
-        return {"outcomes": dict(outcomes), "calls": len(insert.calls), "timeline": timeline}
+        return {
+            "outcomes": dict(outcomes),
+            "calls": len(insert.calls),
+            "timeline": timeline,
+            "redelivered": redelivered,
+        }
 
     return asyncio.run(main())
 
@@ -360,12 +384,14 @@ def _await_a_twin_on_innodb_lock(url: str) -> None:
         "JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id "
         "WHERE t.trx_state = 'LOCK WAIT' AND p.DB = DATABASE()"
     )
-    deadline = time.monotonic() + 60
+    # Bounded well below innodb_lock_wait_timeout (50 s): a hold that outlasted it timed
+    # the twins' claims out (1205) in a loaded CI run. Past the bound the race goes on
+    # unmet, and the test's ``collided > 0`` says so.
+    deadline = time.monotonic() + 20
     try:
         with engine.connect() as conn:
-            while conn.execute(waiting).scalar() == 0:
+            while conn.execute(waiting).scalar() == 0 and time.monotonic() < deadline:
                 conn.rollback()
-                assert time.monotonic() < deadline, "no twin ever waited on the first id's claim"
                 time.sleep(0.005)  # polling a condition, not waiting out a guess
     finally:
         engine.dispose()
