@@ -2,14 +2,17 @@
 
 An asyncio client (a publisher's producer, an AsyncDeduplicator's engine) binds to
 the loop it first ran on, so one loop serves every call until ``close()``. A thread
-that runs a loop already cannot block on another: ``loop_running()`` tells.
+that runs a loop already cannot block on another: ``loop_running()`` tells, and
+``run_blocking`` refuses there before it makes the coroutine (none is left unawaited).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from .errors import ConfigurationError
 
 T = TypeVar("T")
 
@@ -43,3 +46,16 @@ def loop_running() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def run_blocking(make: Callable[[], Coroutine[Any, Any, T]], what: str, instead: str) -> T:
+    """``asyncio.run(make())`` for blocking code; ConfigurationError naming ``instead`` (the
+    coroutine to await) when a loop runs in this thread, raised before ``make`` is called:
+    ``asyncio.run`` would refuse and leave the coroutine never awaited."""
+    if loop_running():
+        raise ConfigurationError(
+            f"{what} blocks on an event loop of its own and cannot run inside the one running "
+            f"in this thread: from asyncio code await {instead}, or run the blocking call in "
+            "a thread (await asyncio.to_thread(...))"
+        )
+    return asyncio.run(make())

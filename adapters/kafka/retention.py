@@ -26,6 +26,7 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped]
 )
 
 from consumerdedup.errors import ConfigurationError
+from consumerdedup.event_loop import run_blocking
 from consumerdedup.prune.windows import LONGEST, BrokerRetention, RetentionUnknown, SourceRetention
 
 RETENTION_MS = "retention.ms"
@@ -74,9 +75,14 @@ def kafka_retention(
     client_options: Mapping[str, Any] | None = None,
     timeout: float = 30.0,
 ) -> BrokerRetention:
-    """``read_kafka_retention`` for blocking code (runs its own event loop)."""
-    return asyncio.run(
-        read_kafka_retention(bootstrap, topics, client_options=client_options, timeout=timeout)
+    """``read_kafka_retention`` for blocking code (runs its own event loop; a
+    ConfigurationError inside a running one)."""
+    return run_blocking(
+        lambda: read_kafka_retention(
+            bootstrap, topics, client_options=client_options, timeout=timeout
+        ),
+        "kafka_retention()",
+        "read_kafka_retention(...)",
     )
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
 
+from consumerdedup.event_loop import run_blocking
+
 from .connection import check_bootstrap
 
 
@@ -36,9 +38,11 @@ def missing_topics(
     client_options: Mapping[str, Any] | None = None,
     timeout: float = 30.0,
 ) -> list[str]:
-    """``read_missing_topics`` for blocking code (runs its own event loop)."""
-    return asyncio.run(
-        asyncio.wait_for(
-            read_missing_topics(bootstrap, topics, client_options=client_options), timeout
-        )
-    )
+    """``read_missing_topics`` for blocking code (runs its own event loop; a
+    ConfigurationError inside a running one)."""
+
+    async def ask() -> list[str]:
+        asking = read_missing_topics(bootstrap, topics, client_options=client_options)
+        return await asyncio.wait_for(asking, timeout)
+
+    return run_blocking(ask, "missing_topics()", "read_missing_topics(...)")

@@ -23,7 +23,9 @@ from tests.support.kafka_service import (  # noqa: F401
     topics_fixture,
 )
 
-pytestmark = pytest.mark.postgres
+# A blocking broker check run inside this test's event loop must not leave a coroutine it
+# built unawaited ("coroutine 'wait_for' was never awaited" from App.check, before).
+pytestmark = [pytest.mark.postgres, pytest.mark.filterwarnings("error::RuntimeWarning")]
 
 
 async def test_check_names_consumer_offsets_for_a_consumer_with_offsets_in_the_database(
