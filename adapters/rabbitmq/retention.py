@@ -28,6 +28,7 @@ from consumerdedup.errors import ConfigurationError
 from consumerdedup.prune.windows import BrokerRetention, RetentionUnknown, SourceRetention
 
 from .config import TTL_ARGUMENT
+from .topology import NOT_FOUND, refused
 
 TTL_POLICY = "message-ttl"
 RABBITMQCTL = ("rabbitmqctl",)
@@ -93,7 +94,9 @@ def _check_exist(params: Any, queues: Sequence[str]) -> None:
         for queue in queues:
             try:
                 channel.queue_declare(queue, passive=True)
-            except pika.exceptions.ChannelClosedByBroker:  # 404: and the channel is gone
+            except pika.exceptions.ChannelClosedByBroker as exc:  # and the channel is gone
+                if exc.reply_code != NOT_FOUND:  # 403, 405...: not an answer about existence
+                    raise refused(queue, params, exc) from exc
                 missing.append(queue)
                 channel = connection.channel()
         if missing:
