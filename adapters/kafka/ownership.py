@@ -20,8 +20,6 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from consumerdedup.db import catalog
-from consumerdedup.errors import ConfigurationError
 from consumerdedup.options import refuse
 from consumerdedup.reasons import describe
 from consumerdedup.retry import ErrorKind, classify, setup_fault
@@ -43,8 +41,9 @@ class Ownership:
         self.pending: set[Any] = set()
 
     async def check_startup(self, handler: Any) -> None:
-        """consumer_offsets exists and is usable on the handler's engine (a missing table
-        is a setup fault: ConfigurationError naming install() / init-db)."""
+        """consumer_offsets exists with its key and columns, and may be written, on the
+        handler's engine (the start checks: a missing table or column is a setup fault,
+        ConfigurationError naming it and the fix)."""
         engine, tables = handler.dedup.engine, handler.dedup.tables
         if tables.consumer_offsets is None:
             raise refuse(
@@ -55,17 +54,8 @@ class Ownership:
         needed = [tables.offsets]
         if hasattr(engine, "sync_engine"):
             await require_startup_async(engine, tables, needed)
-            async with engine.connect() as conn:
-                lacking = await conn.run_sync(catalog.missing_columns, tables.offsets)
         else:
             await asyncio.to_thread(require_startup, engine, tables, needed)
-            lacking = await asyncio.to_thread(_missing_columns, engine, tables.offsets)
-        if lacking:  # made by hand or by an older layout: its first statement would fail
-            raise ConfigurationError(
-                f"{tables.offsets.fullname} lacks the column(s) "
-                f"{', '.join(c.name for c in lacking)}: add them in a migration "
-                "(docs/migrations.md), or drop the table and run `consumerdedup init-db`"
-            )
 
     def assigned(self, consumer: Any, partitions: Iterable[Any]) -> None:
         """In the rebalance callback: hold the partitions until ``take`` has run."""
@@ -163,11 +153,6 @@ class Ownership:
         """Where ``tp`` is to be read again from: the offset stored for it, if owned."""
         owned = self.owned.get(tp)
         return None if owned is None else owned.stored
-
-
-def _missing_columns(engine: Any, table: Any) -> list[Any]:
-    with engine.connect() as conn:
-        return catalog.missing_columns(conn, table)
 
 
 def passing(error: BaseException) -> bool:

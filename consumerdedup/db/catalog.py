@@ -66,6 +66,12 @@ def missing_columns(conn: Connection, table: Table) -> list[Column[Any]]:
     return [c for c in table.columns if c.name not in found]
 
 
+def addable(column: Column[Any]) -> bool:
+    """Whether ``install()`` can add the column to a table that has rows: a nullable one,
+    or one with a server default (any other needs a migration)."""
+    return bool(column.nullable) or column.server_default is not None
+
+
 def missing_indexes(conn: Connection, table: Table) -> list[Index]:
     """The table's indexes (as defined on it) that the database lacks, holds invalid (a
     failed CREATE INDEX CONCURRENTLY leaves one) or holds under the same name on other

@@ -160,7 +160,7 @@ MYSQL_INSTALL_WAIT = 30
 def _add_column(conn: Connection, table: Table, column: Column[Any]) -> None:
     """A column a newer layout added: only a nullable one or one with a server default
     can be added to a table that has rows; for another, the fix is a migration."""
-    if not column.nullable and column.server_default is None:
+    if not catalog.addable(column):
         raise ConfigurationError(
             f"{table.fullname} lacks column {column.name}, which install() cannot add "
             "(NOT NULL, no default): apply the release's migration (docs/migrations.md)"

@@ -1,12 +1,13 @@
 """Start checks: what a runner, a relay or a pruner verifies before its first message.
 
 A process about to consume or publish checks, once and cheaply, that its database can be
-reached, that the tables it uses exist with their keys (dedup rests on them) and that it
-may write them; ``require_startup`` turns a FAIL into ConfigurationError (a refused login:
-AuthenticationFailed) naming the fix, instead of logging ``consuming ...`` and failing
-later. ``Check`` is one line of such a checklist; ``structure`` holds the catalog checks,
-which ``doctor`` runs too, with its own health checks on top. Kept below the outbox, the
-pipeline and the doctor, so that each of them can call it.
+reached, that the tables it uses exist with their keys (dedup rests on them) and their
+columns, and that it may write them; ``require_startup`` turns a FAIL into
+ConfigurationError (a refused login: AuthenticationFailed) naming the fix, instead of
+logging ``consuming ...`` and failing later. ``Check`` is one line of such a checklist;
+``structure`` holds the catalog checks, which ``doctor`` runs too, with its own health
+checks on top. Kept below the outbox, the pipeline and the doctor, so that each of them
+can call it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def startup_checks(
     engine: Engine, tables: Tables = DEFAULT, needed: Sequence[Table] | None = None
 ) -> list[Check]:
     """The cheap part, for a runner or relay at start: reachable, the tables it uses
-    (``needed``; default all of ours) present, their keys (dedup rests on them), rights.
+    (``needed``; default all of ours) present, their keys (dedup rests on them), their
+    columns (one missing fails the first statement naming it), rights.
 
     A database that cannot be reached now is an outage, not a setup fault: it is a WARN
     (``require_startup`` raises it instead, for the runner to wait out); a refused login
@@ -154,6 +156,7 @@ def _connected_startup_checks(
         found.append(Check("tables", OK, ", ".join(t.fullname for t in used)))
     if present:
         found.append(checks.keys(conn, tables, present))
+        found.append(checks.columns(conn, tables, present))
         found.append(checks.write_rights(conn, tables, present))
     if conn.in_transaction():
         conn.rollback()
