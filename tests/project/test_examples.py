@@ -47,7 +47,9 @@ def test_memory_consumer() -> None:
     )
     assert found, out
     deliveries, processed, duplicate = map(int, found.groups())
-    assert processed == 100 and duplicate > 0, out  # the broker did deliver duplicates
+    # The crashed consumer's batch of 10, committed but never acked, comes back whole: 10
+    # duplicates by construction; the broker's seeded lost acks (seed=1) add the rest.
+    assert processed == 100 and duplicate >= 10, out
     assert deliveries == processed + duplicate, out
 
 
