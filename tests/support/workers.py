@@ -72,13 +72,18 @@ the invariants are checked on the tables, and ``redelivered`` says how often it 
 
 _start_together: Any = None
 """The barrier of this worker's race (``start_together``)."""
+_write_lock_asked: Any = None
+"""A semaphore of this worker's race, or None: on SQLite, shuffled, each worker releases it
+once, when its first BEGIN IMMEDIATE starts running inside SQLite (``_announce_on_sqlite``)."""
 
 
-def start_together(barrier: Any) -> None:
+def start_together(barrier: Any, write_lock_asked: Any = None) -> None:
     """A race's pool initializer: every worker waits at ``barrier`` before its first
-    delivery, so they all begin at once however long each took to start."""
-    global _start_together
+    delivery, so they all begin at once however long each took to start.
+    ``write_lock_asked``: a semaphore (at 0) the shuffled SQLite race meets by."""
+    global _start_together, _write_lock_asked
     _start_together = barrier
+    _write_lock_asked = write_lock_asked
 
 
 def race(
@@ -97,9 +102,8 @@ def race(
     about the same pace, so twins meet often), or with ``seed=None`` in the same order in
     every worker (twins meet at nearly every id).
 
-    On MySQL/MariaDB, shuffled, every worker delivers the first id first and its first
-    claimer holds until InnoDB shows a twin waiting on its claim (``_meet_on_innodb``):
-    twins meet by construction, not by the scheduler's luck.
+    Shuffled, every worker delivers the first id first and the first id's twins meet there
+    by construction, not by the scheduler's luck (``_meet_shuffled``).
 
     ``unlocked``: the partitioned claim's advisory lock is taken out (``no_claim_lock``).
     Returns the outcome counts, the handler's calls, and for each delivery the id, outcome,
@@ -111,10 +115,11 @@ def race(
     engine, dedup, insert = _deduplicator(url, names, ledger)
     ids = list(bodies)
     meet = seed is None  # in lockstep every worker delivers ids[0] first
-    mysql = url.startswith(("mysql", "mariadb"))
-    handler = _meet_at_first_id(insert, ids[0], engine, ledger, unlocked) if meet else insert
-    if mysql and not meet:  # shuffled: twins meet by construction at ids[0], delivered first
-        handler = _meet_on_innodb(insert, ids[0], url)
+    if meet:
+        handler = _meet_at_first_id(insert, ids[0], engine, ledger, unlocked)
+    else:  # shuffled: twins meet by construction at ids[0], delivered first
+        handler = _meet_shuffled(insert, ids[0], engine, url, ledger, claim_first)
+    announce = _announce_on_sqlite(engine) if url.startswith("sqlite") and not meet else None
     handle = dedup.handler(claim_first=claim_first)(handler)
     if seed is None:  # ``copies`` passes over the ids: each worker meets the others at each
         deliveries = [mid for _ in range(copies) for mid in ids]
@@ -124,11 +129,13 @@ def race(
             chunk = [mid for mid in ids[start : start + block] for _ in range(copies)]
             rng.shuffle(chunk)
             deliveries += chunk
-    if mysql and not meet:
+    if not meet:
         deliveries.remove(ids[0])
         deliveries.insert(0, ids[0])
     assert _start_together is not None, "a race's pool has start_together as initializer"
     _start_together.wait(timeout=120)  # all workers start together
+    if announce is not None:
+        announce()  # from here on: the first BEGIN IMMEDIATE is the first id's
     outcomes: Counter[str] = Counter()
     timeline: list[tuple[str, str, float, float | None]] = []
     begins, commits = insert.begins, insert.commits
@@ -172,19 +179,74 @@ def _meet_at_first_id(insert: Any, first_id: str, engine: Any, ledger: str, unlo
     return handler
 
 
-def _meet_on_innodb(insert: Any, first_id: str, url: str) -> Any:
-    """``insert`` whose first call for ``first_id`` holds (its claim row locked) until
-    InnoDB shows another session of the race's database waiting on a lock."""
+def _meet_shuffled(
+    insert: Any, first_id: str, engine: Any, url: str, ledger: str, claim_first: bool
+) -> Any:
+    """``insert`` whose first call in this worker for ``first_id`` (every worker delivers it
+    first) holds until a twin of it is in flight, seen, not assumed:
+
+    - MySQL/MariaDB: the caller holds its claim row until InnoDB shows a session of the
+      race's database waiting on a lock (``_await_a_twin_on_innodb_lock``, bounded);
+    - PostgreSQL, claim-first: the caller holds its claim (the key's row, or the partitioned
+      claim's advisory lock) until pg_stat_activity shows one of the race's sessions
+      waiting on a lock: a twin blocked on that claim;
+    - PostgreSQL, check-first: nothing is locked before the handler (the record is written
+      last), so every worker calls it for the first id, and they wait for each other at the
+      race's barrier: no twin can have committed, all sixteen are in flight at once, and
+      all but one then wait on the first record written;
+    - SQLite: the caller holds the database's write lock (its BEGIN IMMEDIATE) until another
+      worker's BEGIN IMMEDIATE has started running inside SQLite (``_announce_on_sqlite``):
+      that twin cannot get the lock, and so cannot claim, before this caller commits.
+    """
     held = False
 
     def handler(message: Message, session: Session) -> None:
         nonlocal held
         if message.id == first_id and not held:
             held = True
-            _await_a_twin_on_innodb_lock(url)
+            if url.startswith(("mysql", "mariadb")):
+                _await_a_twin_on_innodb_lock(url)
+            elif url.startswith("sqlite"):
+                _await_a_twin_on_the_write_lock()
+            elif claim_first:
+                _await_a_twin_on_the_lock(engine, ledger)
+            else:
+                assert _start_together is not None
+                _start_together.wait(timeout=60)
         insert(message, session)
 
     return handler
+
+
+def _announce_on_sqlite(engine: Any) -> Any:
+    """Trace this worker's SQLite statements; once armed (the function returned), release
+    ``_write_lock_asked`` when the worker's first BEGIN IMMEDIATE starts running. SQLite
+    calls the trace at the statement's first instruction, inside sqlite3_step, right before
+    the write lock is asked for: with the lock held elsewhere, the statement is then in
+    SQLite's busy wait until that holder commits."""
+    assert _write_lock_asked is not None, "a shuffled SQLite race passes write_lock_asked"
+    state = {"armed": False, "told": False}
+
+    def trace(statement: str) -> None:
+        if state["armed"] and not state["told"] and statement.startswith("BEGIN IMMEDIATE"):
+            state["told"] = True
+            _write_lock_asked.release()
+
+    # At every checkout, as the Deduplicator may already hold a pooled connection.
+    event.listen(engine, "checkout", lambda dbapi, record, proxy: dbapi.set_trace_callback(trace))
+
+    def arm() -> None:
+        state["armed"] = True
+
+    return arm
+
+
+def _await_a_twin_on_the_write_lock() -> None:
+    """Until ``_write_lock_asked`` was released twice: this worker's own BEGIN IMMEDIATE
+    (released before it got the lock) and a twin's, asked while this worker holds it."""
+    assert _write_lock_asked is not None
+    for _ in range(2):
+        assert _write_lock_asked.acquire(timeout=60), "no twin asked for the write lock"
 
 
 def _await_a_twin_on_the_lock(engine: Any, ledger: str) -> None:
