@@ -25,7 +25,8 @@ has a scenario in tests/contracts/runner.py too):
   ``stop()``; a setup fault (a missing table, a refused login) still ends ``run()``. A
   database lost later is the pipeline's outage: the batch is retried, ``ready`` stays.
 - ``last_tick`` (``time.monotonic()``) moves at every turn of the consumer loop, idle
-  turns too, so a quiet source keeps it fresh and a handler stuck for ever stops it.
+  turns too, so a quiet source keeps it fresh and a handler stuck for ever stops it (a
+  Kafka fetch that a group rebalance holds at the broker ticks too: it is not stuck).
 - ``stop()`` may be called from any thread and from a signal handler: it takes no lock.
 - ``stop(deadline)``: past ``deadline`` seconds, what is still in flight is given up, never
   acked (an asyncio runner cancels it; a blocking runner cannot interrupt a handler, so its

@@ -6,7 +6,10 @@ is set here and refused in the options, before anything connects.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +22,14 @@ from consumerdedup.options import refuse
 from consumerdedup.reasons import describe
 
 from .errors import AuthenticationFailed
+
+logger = logging.getLogger("consumerdedup.kafka")
+
+CLOSE_TIMEOUT = 10.0
+"""Seconds a consumer's close may take. aiokafka's ``stop()`` first waits for its group
+coordination, which can be inside a JoinGroup the broker holds until every member has
+rejoined (up to the rebalance timeout, or for ever on a broker that loses track): a stop
+must not wait on that. Nothing is committed at close (auto-commit is off)."""
 
 RUNNER_OWNED = {"bootstrap_servers", "group_id", "enable_auto_commit"}
 PUBLISHER_OWNED = {"bootstrap_servers", "acks", "enable_idempotence"}
@@ -99,6 +110,52 @@ def consumer(
         group_id=group_id,
         enable_auto_commit=False,
     )
+
+
+async def close_consumer(consumer: Any, timeout: float = CLOSE_TIMEOUT) -> None:
+    """``consumer.stop()``, given at most ``timeout`` seconds. Past them its group
+    coordination is cancelled and its connections closed without a LeaveGroup: the group
+    rebalances after the member's session times out, and the next owner reads from the
+    committed offsets, so nothing is lost or skipped."""
+    closing = asyncio.ensure_future(consumer.stop())
+    try:
+        done, _ = await asyncio.wait({closing}, timeout=timeout)
+    except asyncio.CancelledError:
+        closing.cancel()
+        raise
+    if done:
+        closing.result()
+        return
+    logger.warning(
+        "the Kafka consumer did not close within %.0fs (its group coordinator did not "
+        "answer: a join or leave in progress at the broker); closing its connections without "
+        "leaving the group, which rebalances once session_timeout_ms passes",
+        timeout,
+    )
+    closing.cancel()  # cancels the coordination task its stop() was waiting for
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await closing
+    await _close_connections(consumer)
+
+
+async def _close_connections(consumer: Any) -> None:
+    """What ``AIOKafkaConsumer.stop()`` does after its coordinator closes, which a cancelled
+    stop() never reached (aiokafka has no public way to close without the coordinator)."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    for name in ("_coordination_task", "_heartbeat_task", "_commit_refresh_task"):
+        task = getattr(coordinator, name, None)
+        if isinstance(task, asyncio.Future) and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    fetcher = getattr(consumer, "_fetcher", None)
+    if fetcher is not None:
+        with contextlib.suppress(Exception):
+            await fetcher.close()
+    client = getattr(consumer, "_client", None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            await client.close()
 
 
 def producer_settings(

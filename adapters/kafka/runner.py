@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -34,6 +35,8 @@ def _topic(name: object, option: str) -> str:
 
 
 _DEADLINE_CHECK = 0.5
+_HELD_FETCH_CHECK = 0.1
+"""How often a fetch the group's rebalance holds looks at the stop flag (past its timeout)."""
 """How often run() looks for a deadline given to stop() while nothing else wakes it."""
 DEAD_LETTER_TRIES = 3
 """Offsets in the database: sends of a chunk's dead letters before one still unsent is
@@ -125,7 +128,6 @@ class KafkaConsumerRunner(ConsumerRunner):
         listener = RebalanceListener(
             lambda tps: self._revoked(tps), lambda tps: self._assigned(consumer, tps)
         )
-        consumer.subscribe(list(self.topics), listener=listener)
         publisher = KafkaPublisher(
             self.bootstrap_servers,
             enable_idempotence=cfg.idempotent_producer,
@@ -149,6 +151,11 @@ class KafkaConsumerRunner(ConsumerRunner):
                 if sasl or (sasl := await connection.sasl_refusal(where, options)):
                     raise connection.authentication_failed(sasl, where) from exc
                 raise
+            # Subscribed once started, not before: start() would then wait for the group's
+            # first assignment, unbounded and deaf to stop() (a join the broker holds while
+            # a member is slow to rejoin). The loop joins while it polls, ticking and
+            # stoppable; ``ready`` comes with the assignment.
+            consumer.subscribe(list(self.topics), listener=listener)
             # Now, not at the first dead letter: a producer the broker will not start (an
             # idempotent one on Tansu) is a setup fault (BrokerRefused, a ConfigurationError
             # naming idempotent_producer=False), said before any record is read.
@@ -161,8 +168,9 @@ class KafkaConsumerRunner(ConsumerRunner):
         finally:
             self._set_ready(False)
             self.consumer = None
-            # Auto-commit is off: closing commits nothing, whatever ended the loop.
-            await consumer.stop()
+            # Auto-commit is off: closing commits nothing, whatever ended the loop; so a
+            # close the group coordinator holds up is cut short (connection.close_consumer).
+            await connection.close_consumer(consumer)
             await publisher.stop()
 
     async def _consume(self, consumer: Any, dead_letters: DeadLetters, until_idle: bool) -> None:
@@ -244,11 +252,28 @@ class KafkaConsumerRunner(ConsumerRunner):
         fill its max_records from one partition before the next, and leave nothing to handle
         beside it."""
         size = self.config.batch_size
-        fetched: dict[Any, list[Any]] = await consumer.getmany(timeout_ms=wait_ms, max_records=size)
+        fetched = await self._first_getmany(consumer, wait_ms, size)
         if fetched:
             for tp in consumer.assignment() - fetched.keys() - consumer.paused():
                 fetched.update(await consumer.getmany(tp, timeout_ms=0, max_records=size))
         return fetched
+
+    async def _first_getmany(self, consumer: Any, wait_ms: int, size: int) -> dict[Any, list[Any]]:
+        """``getmany``, ticking and stoppable even while a rebalance holds it: aiokafka's
+        getmany waits for the assignment whatever its timeout, and a JoinGroup lasts until
+        every member has rejoined (a frozen one: its whole session). Cancelled on stop, it
+        has taken nothing (records it had fetched stay in the fetcher, uncommitted)."""
+        fetching = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=size))
+        while True:
+            done, _ = await asyncio.wait({fetching}, timeout=_HELD_FETCH_CHECK + wait_ms / 1000)
+            if done:
+                return fetching.result()  # type: ignore[no-any-return]
+            self.tick()  # alive: held by the group's rebalance, not stuck
+            if self.stopping:
+                fetching.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fetching
+                return {}
 
     async def _handle_fetch(
         self,

@@ -49,9 +49,9 @@ class InFlight:
     def __init__(self) -> None:
         self.epoch = 0
         """Bumped by each revocation: records fetched before it are stale."""
-        self.rebalancing = False
-        """From a revocation until the assignment after it: the partitions the consumer
-        still lists meanwhile are no longer ours."""
+        self.rebalancing = True
+        """From a revocation until the assignment after it (and before the first one): the
+        partitions the consumer lists meanwhile are not ours to judge."""
         self._count = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -256,12 +256,19 @@ class Pipeline:
             assert inst.process is not None
             try:
                 code = inst.process.wait(max(0.1, deadline - time.monotonic()))
+                self.note(f"{inst.name} stopped with {code}")
                 if code not in (0, -signal.SIGTERM):
                     stubborn.append(f"{inst.name} ended with {code} after SIGTERM")
             except subprocess.TimeoutExpired:
+                inst.process.send_signal(signal.SIGUSR1)  # its stacks into its log (chaos_roles)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    inst.process.wait(2.0)
                 inst.process.kill()
                 inst.process.wait()
-                stubborn.append(f"{inst.name} did not stop within {STOP_TIMEOUT:.0f}s of SIGTERM")
+                stubborn.append(
+                    f"{inst.name} did not stop within {STOP_TIMEOUT:.0f}s of SIGTERM:\n"
+                    + inst.tail(80)
+                )
             inst.process = None
         return stubborn
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import json
 import logging
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -320,8 +322,20 @@ ROLES: dict[str, Callable[[Chaos, int], None]] = {
 }
 
 
+def _dump_stacks(signum: int, frame: Any) -> None:
+    """SIGUSR1: every thread's stack and every asyncio task's, into the role's log; the test
+    asks for it when a role outlives its stop timeout, before it kills the role."""
+    faulthandler.dump_traceback(all_threads=True)
+    loop = asyncio.events._get_running_loop()
+    if loop is not None:
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+
 def main(argv: list[str]) -> None:
     role, index, raw = argv
+    signal.signal(signal.SIGUSR1, _dump_stacks)
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s {role}-{index} pid=%(process)d %(name)s %(levelname)s %(message)s",

@@ -1,0 +1,140 @@
+"""stop() while the group join is held at the broker: run() returns, bounded.
+
+A JoinGroup is answered once every member of the group has rejoined; a member that is
+alive but frozen (here SIGSTOPped, as a process stuck in a long GC pause or a blocked
+event loop is) holds every join until its session times out. The runner used to
+subscribe before ``consumer.start()``, which then waited for the first assignment, deaf to
+stop(); its getmany waits for the assignment too, whatever its timeout; and its close
+waited for the join. Seen in a CI run of the chaos test: a role
+restarted into such a rebalance did not stop within 15 s of SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.kafka.test_runner import Ledger, body, runner
+from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
+
+FROZEN_SESSION_MS = 60_000
+"""The frozen member's session: the join it holds would last this long."""
+RETURNS_WITHIN = 30.0
+"""run() returns within this after stop(): the close bound (10 s) plus a loaded machine's
+slack, and half the frozen member's session."""
+
+MEMBER = """
+import asyncio, sys
+from aiokafka import AIOKafkaConsumer
+
+async def main():
+    consumer = AIOKafkaConsumer(
+        sys.argv[2], bootstrap_servers=sys.argv[1], group_id=sys.argv[3],
+        session_timeout_ms=int(sys.argv[4]), heartbeat_interval_ms=1000,
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    while not consumer.assignment():
+        await consumer.getmany(timeout_ms=100)
+    print("assigned", flush=True)
+    while True:
+        await consumer.getmany(timeout_ms=100)
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+async def ledger(pg: Any) -> AsyncIterator[Ledger]:
+    found = Ledger(pg)
+    yield found
+    await found.close()
+
+
+@pytest.fixture
+def frozen_member() -> Iterator[Any]:
+    """Starts a group member, waits for its assignment, then freezes it (SIGSTOP)."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def freeze(kafka: KafkaService, topic: str, group: str) -> subprocess.Popen[bytes]:
+        args = [kafka.bootstrap, topic, group, str(FROZEN_SESSION_MS)]
+        member = subprocess.Popen([sys.executable, "-c", MEMBER, *args], stdout=subprocess.PIPE)
+        started.append(member)
+        assert member.stdout is not None
+        assert member.stdout.readline().strip() == b"assigned"
+        member.send_signal(signal.SIGSTOP)
+        return member
+
+    yield freeze
+    for member in started:
+        member.kill()
+        member.wait()
+
+
+async def test_stop_while_a_frozen_member_holds_the_join_returns_and_commits_nothing(
+    kafka: KafkaService,
+    topics: Topics,
+    ledger: Ledger,
+    frozen_member: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topic = await topics.create("joining", partitions=2)
+    group = "group-" + topic
+    await topics.produce(topic, body(1), event_id="m-1")
+    frozen_member(kafka, topic, group)
+
+    joining = runner(kafka, ledger.handle, topic, group_id=group)
+    sent = _join_sent()
+    running = asyncio.create_task(joining.run())
+    # Its JoinGroup is at the broker, held until the frozen member's session ends; a
+    # retried one (a member id asked for first) is sent whatever stop() says meanwhile.
+    await asyncio.wait_for(_first(sent, running), 60)
+    # The loop turns while the join is held: the runner is alive, not ready. Before, it
+    # sat in consumer.start() for the whole frozen session, and this timed out.
+    first = joining.last_tick
+    await asyncio.wait_for(_ticked(joining, first, running), 20)
+    assert not joining.ready
+    caplog.set_level(logging.WARNING, logger="consumerdedup.kafka")
+    joining.stop()
+    # Before: start() waited for the assignment, so run() lasted the frozen session.
+    await asyncio.wait_for(running, RETURNS_WITHIN)
+    assert not joining.ready
+    assert ledger.applied() == [] and ledger.recorded() == set()
+    assert await topics.lag(group, topic) == 1  # nothing committed: the record is kept
+    said = [r.getMessage() for r in caplog.records if r.name == "consumerdedup.kafka"]
+    assert any("did not close within" in line for line in said), said
+
+
+def _join_sent() -> asyncio.Event:
+    """Set once aiokafka logs that it sends a JoinGroup (its DEBUG line, right before)."""
+    sent = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Sending JoinGroup"):
+                loop.call_soon_threadsafe(sent.set)
+
+    coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
+    coordinator.addHandler(Seen(logging.DEBUG))
+    coordinator.setLevel(logging.DEBUG)
+    return sent
+
+
+async def _first(sent: asyncio.Event, running: asyncio.Task[None]) -> None:
+    await asyncio.wait({asyncio.ensure_future(sent.wait()), running}, return_when="FIRST_COMPLETED")
+    assert not running.done(), running
+    assert sent.is_set()
+
+
+async def _ticked(joining: Any, first: float, running: asyncio.Task[None]) -> None:
+    while joining.last_tick == first:
+        assert not running.done(), running
+        await asyncio.sleep(0.01)  # polling a condition
