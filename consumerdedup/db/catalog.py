@@ -66,6 +66,32 @@ def missing_columns(conn: Connection, table: Table) -> list[Column[Any]]:
     return [c for c in table.columns if c.name not in found]
 
 
+def unwritable_columns(conn: Connection, table: Table) -> list[tuple[str, str]]:
+    """(column, what is wrong) for each column the database's table has in a way the
+    library's INSERTs fail on, all names present: one of its own NOT NULL without a default
+    (made by hand: no INSERT of ours names it), one of ours nullable made NOT NULL (ours
+    write NULL), or a string column of ours shorter than ours is."""
+    ours = {c.name: c for c in table.columns}
+    found: list[tuple[str, str]] = []
+    for column in inspect(conn).get_columns(table.name, schema=table.schema):
+        name = column["name"]
+        mine = ours.get(name)
+        if mine is None:
+            generated = column.get("autoincrement") is True or bool(
+                column.get("identity") or column.get("computed")
+            )
+            if not column["nullable"] and column.get("default") is None and not generated:
+                found.append((name, "NOT NULL without a default, not ours: give it a default"))
+            continue
+        if mine.nullable and not column["nullable"]:
+            found.append((name, "NOT NULL, ours is nullable: drop its NOT NULL"))
+        wanted = getattr(mine.type.dialect_impl(conn.dialect), "length", None)
+        length = getattr(column["type"], "length", None)
+        if wanted is not None and length is not None and length < wanted:
+            found.append((name, f"length {length}, ours is {wanted}: widen it"))
+    return found
+
+
 def addable(column: Column[Any]) -> bool:
     """Whether ``install()`` can add the column to a table that has rows: a nullable one,
     or one with a server default (any other needs a migration)."""

@@ -93,8 +93,9 @@ def layout(conn: Connection, tables: Tables, present: set[str]) -> list[Check]:
 
 def columns(conn: Connection, tables: Tables, present: set[str]) -> Check:
     """The columns each present table lacks (made by hand, or by an older release): its
-    first statement naming one would fail. One catalog read per table; doctor and the
-    start checks both run it."""
+    first statement naming one would fail; then the columns present but not as the
+    library writes them (catalog.unwritable_columns), which would fail its first INSERT.
+    Doctor and the start checks both run it, once per start."""
     lacking = [
         (table, column)
         for table in tables.owned
@@ -102,6 +103,15 @@ def columns(conn: Connection, tables: Tables, present: set[str]) -> Check:
         for column in catalog.missing_columns(conn, table)
     ]
     if not lacking:
+        unwritable = [
+            f"{table.fullname}.{name} ({wrong})"
+            for table in tables.owned
+            if table.fullname in present
+            for name, wrong in catalog.unwritable_columns(conn, table)
+        ]
+        if unwritable:
+            detail = f"not as the library writes them: {'; '.join(unwritable)}"
+            return Check("columns", FAIL, detail, "ALTER TABLE each column as said")
         return Check("columns", OK, "every column present")
     named = ", ".join(f"{table.fullname}.{column.name}" for table, column in lacking)
     fix = INIT_DB
