@@ -23,7 +23,7 @@ from ..reasons import describe
 from ..startup import FAIL, OK, WARN, Check, startup_checks
 from .declarations import KAFKA, ConsumerDeclaration
 from .resources import Resources
-from .windows import broker_retention, window_of
+from .windows import broker_retention, off_the_loop, window_of
 
 if TYPE_CHECKING:
     from .app import App
@@ -96,8 +96,8 @@ def _missing_topics(
     if resources.memory_broker is not None:
         return []
     kafka = importlib.import_module("consumerdedup.adapters.kafka.topology")
-    found: list[str] = kafka.missing_topics(
-        resources.kafka_bootstrap(), topics, client_options=_client(consumer)
+    found: list[str] = off_the_loop(
+        kafka.missing_topics, resources.kafka_bootstrap(), topics, client_options=_client(consumer)
     )
     return found
 

@@ -10,15 +10,31 @@ consumers, each by its own window.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ..errors import ConfigurationError
+from ..event_loop import loop_running
 from ..prune.config import PrunerConfig
 from ..prune.windows import BrokerRetention, RetentionUnknown, Window
 from .declarations import KAFKA, ConsumerDeclaration, PrunerDeclaration
 from .resources import Resources
+
+T = TypeVar("T")
+
+
+def off_the_loop(blocking: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``blocking(*args, **kwargs)``; in a thread of its own when an event loop runs in this
+    one. The Kafka helpers run a loop of their own and refuse inside a running one
+    (event_loop.run_blocking); App.check() and the pruner's windows are blocking calls
+    (their database checks block the caller too), so from asyncio code they answer as
+    from a thread rather than report the refusal."""
+    if not loop_running():
+        return blocking(*args, **kwargs)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="consumerdedup-check") as pool:
+        return pool.submit(blocking, *args, **kwargs).result()
 
 
 def broker_retention(consumer: ConsumerDeclaration, resources: Resources) -> BrokerRetention:
@@ -27,8 +43,11 @@ def broker_retention(consumer: ConsumerDeclaration, resources: Resources) -> Bro
         kafka = importlib.import_module("consumerdedup.adapters.kafka.retention")
         options = dict(consumer.config.consumer_options)
         client = {k: v for k, v in options.items() if k.startswith(("security", "sasl", "ssl"))}
-        found: BrokerRetention = kafka.kafka_retention(
-            resources.kafka_bootstrap(), list(consumer.sources), client_options=client
+        found: BrokerRetention = off_the_loop(
+            kafka.kafka_retention,
+            resources.kafka_bootstrap(),
+            list(consumer.sources),
+            client_options=client,
         )
         return found
     rabbit = importlib.import_module("consumerdedup.adapters.rabbitmq.retention")
