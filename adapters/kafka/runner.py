@@ -252,18 +252,25 @@ class KafkaConsumerRunner(ConsumerRunner):
         fill its max_records from one partition before the next, and leave nothing to handle
         beside it."""
         size = self.config.batch_size
-        fetched = await self._first_getmany(consumer, wait_ms, size)
+        fetched = await self._getmany(consumer, (), wait_ms, size)
         if fetched:
             for tp in consumer.assignment() - fetched.keys() - consumer.paused():
-                fetched.update(await consumer.getmany(tp, timeout_ms=0, max_records=size))
+                if self.stopping:
+                    break
+                # Stoppable too: a rebalance begun since the first holds these as well.
+                fetched.update(await self._getmany(consumer, (tp,), 0, size))
         return fetched
 
-    async def _first_getmany(self, consumer: Any, wait_ms: int, size: int) -> dict[Any, list[Any]]:
+    async def _getmany(
+        self, consumer: Any, partitions: tuple[Any, ...], wait_ms: int, size: int
+    ) -> dict[Any, list[Any]]:
         """``getmany``, ticking and stoppable even while a rebalance holds it: aiokafka's
         getmany waits for the assignment whatever its timeout, and a JoinGroup lasts until
         every member has rejoined (a frozen one: its whole session). Cancelled on stop, it
         has taken nothing (records it had fetched stay in the fetcher, uncommitted)."""
-        fetching = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=size))
+        fetching = asyncio.ensure_future(
+            consumer.getmany(*partitions, timeout_ms=wait_ms, max_records=size)
+        )
         while True:
             done, _ = await asyncio.wait({fetching}, timeout=_HELD_FETCH_CHECK + wait_ms / 1000)
             if done:

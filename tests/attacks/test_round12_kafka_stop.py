@@ -1,0 +1,146 @@
+"""Round 12: stop() while a group rebalance is held at the broker, mid-run.
+
+A rebalance begun between the runner's first getmany (which returned records) and the
+getmany calls that take the other partitions' buffered records: aiokafka's getmany waits
+for the next assignment whatever its timeout, and the join lasts until every member has
+rejoined (a frozen one: its whole session). Only the first getmany was stoppable and
+ticking; the others held stop() (and ``last_tick``) for the frozen member's session.
+
+The interleaving is forced: the first getmany that returns a record does not return it
+until a new member has started a rebalance and this runner has sent its JoinGroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.kafka.test_runner import Ledger, body, runner
+from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
+
+FROZEN_SESSION_MS = 60_000
+"""The frozen member's session: the join it holds would last this long."""
+RETURNS_WITHIN = 30.0
+"""run() returns within this after stop(): the close bound (10 s) plus slack, and half the
+frozen member's session."""
+
+MEMBER = """
+import asyncio, sys
+from aiokafka import AIOKafkaConsumer
+
+async def main():
+    consumer = AIOKafkaConsumer(
+        sys.argv[2], bootstrap_servers=sys.argv[1], group_id=sys.argv[3],
+        session_timeout_ms=int(sys.argv[4]), heartbeat_interval_ms=1000,
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    while not consumer.assignment():
+        await consumer.getmany(timeout_ms=100)
+    print("assigned", flush=True)
+    while True:
+        await consumer.getmany(timeout_ms=100)
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+async def ledger(pg: Any) -> AsyncIterator[Ledger]:
+    found = Ledger(pg)
+    yield found
+    await found.close()
+
+
+@pytest.fixture
+def members() -> Iterator[Any]:
+    """Starts plain aiokafka group members (subprocesses); killed at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(kafka: KafkaService, topic: str, group: str) -> subprocess.Popen[bytes]:
+        args = [kafka.bootstrap, topic, group, str(FROZEN_SESSION_MS)]
+        member = subprocess.Popen([sys.executable, "-c", MEMBER, *args], stdout=subprocess.PIPE)
+        started.append(member)
+        return member
+
+    yield start
+    for member in started:
+        member.kill()
+        member.wait()
+
+
+def _joins_sent() -> asyncio.Event:
+    """Set once aiokafka logs that it sends a JoinGroup (its DEBUG line, right before)."""
+    sent = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Sending JoinGroup"):
+                loop.call_soon_threadsafe(sent.set)
+
+    coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
+    coordinator.addHandler(Seen(logging.DEBUG))
+    coordinator.setLevel(logging.DEBUG)
+    return sent
+
+
+async def _until(condition: Any, running: asyncio.Task[None]) -> None:
+    while not condition():
+        assert not running.done(), running
+        await asyncio.sleep(0.01)  # polling a condition
+
+
+@pytest.mark.parametrize("offsets", ["broker", "database"])
+async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns(
+    kafka: KafkaService, topics: Topics, ledger: Ledger, members: Any, offsets: str
+) -> None:
+    topic = await topics.create("midrun", partitions=4)
+    group = "group-" + topic
+    frozen = members(kafka, topic, group)
+    assert frozen.stdout is not None
+    assert frozen.stdout.readline().strip() == b"assigned"
+
+    consuming = runner(kafka, ledger.handle, topic, group_id=group, offsets=offsets)
+    running = asyncio.create_task(consuming.run())
+    # Joined beside the live member: each holds two of the four partitions.
+    await asyncio.wait_for(
+        _until(lambda: consuming.ready and len(consuming.consumer.assignment()) == 2, running), 60
+    )
+    frozen.send_signal(signal.SIGSTOP)  # from now on it holds every join for its session
+    consumer = consuming.consumer
+    mine = min(consumer.assignment())
+    joins = _joins_sent()
+    original = consumer.getmany
+    in_the_other_getmany = asyncio.Event()
+    triggered = False
+
+    async def getmany(*partitions: Any, **options: Any) -> Any:
+        nonlocal triggered
+        if partitions:  # a getmany for one of the other partitions, after the first
+            in_the_other_getmany.set()
+            return await original(*partitions, **options)
+        got = await original(**options)
+        if got and not triggered:
+            # Forced: the rebalance begins before this fetch's records are returned.
+            triggered = True
+            members(kafka, topic, group)  # a new member: a rebalance the frozen one holds
+            await joins.wait()  # this runner rejoins: its next getmany waits for the join
+        return got
+
+    consumer.getmany = getmany
+    await topics.produce(topic, body(1), event_id="m-1", partition=mine.partition)
+    await asyncio.wait_for(in_the_other_getmany.wait(), 60)
+    consuming.stop()
+    # Before: that getmany waited for the join, deaf to stop(), for the frozen session.
+    await asyncio.wait_for(running, RETURNS_WITHIN)
+    assert not consuming.ready
+    assert ledger.applied() == [] and ledger.recorded() == set()  # stopped: nothing handled
+    assert await topics.lag(group, topic) == 1  # nothing committed: the record is kept
