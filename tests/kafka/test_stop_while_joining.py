@@ -83,6 +83,7 @@ async def test_stop_while_a_frozen_member_holds_the_join_returns_and_commits_not
     topics: Topics,
     ledger: Ledger,
     frozen_member: Any,
+    join_sent: asyncio.Event,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     topic = await topics.create("joining", partitions=2)
@@ -91,7 +92,7 @@ async def test_stop_while_a_frozen_member_holds_the_join_returns_and_commits_not
     frozen_member(kafka, topic, group)
 
     joining = runner(kafka, ledger.handle, topic, group_id=group)
-    sent = _join_sent()
+    sent = join_sent
     running = asyncio.create_task(joining.run())
     # Its JoinGroup is at the broker, held until the frozen member's session ends; a
     # retried one (a member id asked for first) is sent whatever stop() says meanwhile.
@@ -112,20 +113,27 @@ async def test_stop_while_a_frozen_member_holds_the_join_returns_and_commits_not
     assert any("did not close within" in line for line in said), said
 
 
-def _join_sent() -> asyncio.Event:
-    """Set once aiokafka logs that it sends a JoinGroup (its DEBUG line, right before)."""
+@pytest.fixture
+async def join_sent() -> AsyncIterator[asyncio.Event]:
+    """Set once aiokafka logs that it sends a JoinGroup (its DEBUG line, right before).
+    The handler goes with the test: aiokafka's logger outlives this test's event loop."""
     sent = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     class Seen(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("Sending JoinGroup"):
+            if record.getMessage().startswith("Sending JoinGroup") and not loop.is_closed():
                 loop.call_soon_threadsafe(sent.set)
 
     coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
-    coordinator.addHandler(Seen(logging.DEBUG))
+    seen, level = Seen(logging.DEBUG), coordinator.level
+    coordinator.addHandler(seen)
     coordinator.setLevel(logging.DEBUG)
-    return sent
+    try:
+        yield sent
+    finally:
+        coordinator.removeHandler(seen)
+        coordinator.setLevel(level)
 
 
 async def _first(sent: asyncio.Event, running: asyncio.Task[None]) -> None:
