@@ -138,9 +138,48 @@ async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns
     consumer.getmany = getmany
     await topics.produce(topic, body(1), event_id="m-1", partition=mine.partition)
     await asyncio.wait_for(in_the_other_getmany.wait(), 60)
+    held_since = consuming.last_tick
+    # Alive while held: the loop's tick moves (it stood still for the frozen session).
+    await asyncio.wait_for(_until(lambda: consuming.last_tick != held_since, running), 20)
     consuming.stop()
     # Before: that getmany waited for the join, deaf to stop(), for the frozen session.
     await asyncio.wait_for(running, RETURNS_WITHIN)
     assert not consuming.ready
     assert ledger.applied() == [] and ledger.recorded() == set()  # stopped: nothing handled
     assert await topics.lag(group, topic) == 1  # nothing committed: the record is kept
+
+
+async def test_stopped_until_idle_then_a_second_runner_in_the_same_loop_takes_everything(
+    kafka: KafkaService, topics: Topics, ledger: Ledger, members: Any
+) -> None:
+    """run(until_idle=True) whose first join a frozen member holds: stop() returns it with
+    nothing handled (its close cut short: it stays a member until its session ends). A
+    second runner of the group in the same event loop (after the first's connections were
+    closed under it) then waits for its first assignment, and handles each record once
+    when the frozen member's session and the first runner's have ended."""
+    topic = await topics.create("idle", partitions=2)
+    group = "group-" + topic
+    frozen = members(kafka, topic, group)
+    assert frozen.stdout is not None
+    assert frozen.stdout.readline().strip() == b"assigned"
+    frozen.send_signal(signal.SIGSTOP)
+    for n, partition in enumerate([0, 1, 0], start=1):
+        await topics.produce(topic, body(n), event_id=f"m-{n}", partition=partition)
+
+    joins = _joins_sent()
+    first = runner(kafka, ledger.handle, topic, group_id=group)
+    running = asyncio.create_task(first.run(until_idle=True))
+    await asyncio.wait_for(_until(joins.is_set, running), 60)
+    ticked = first.last_tick
+    await asyncio.wait_for(_until(lambda: first.last_tick != ticked, running), 20)
+    assert not first.ready
+    first.stop()
+    await asyncio.wait_for(running, RETURNS_WITHIN)
+    assert ledger.applied() == [] and await topics.lag(group, topic) == 3
+
+    frozen.kill()  # gone, but a member until its session ends: the next join waits for it
+    second = runner(kafka, ledger.handle, topic, group_id=group)
+    # Bounded by the frozen member's session (60 s) and the first runner's, not by luck.
+    await asyncio.wait_for(second.run(until_idle=True), 2 * FROZEN_SESSION_MS / 1000)
+    assert sorted(ledger.applied()) == ["m-1", "m-2", "m-3"]
+    assert await topics.lag(group, topic) == 0
