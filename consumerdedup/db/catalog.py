@@ -16,7 +16,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Column, Connection, Index, Table, UniqueConstraint, inspect, text
+from sqlalchemy import (
+    Column,
+    Connection,
+    Index,
+    String,
+    Table,
+    TypeDecorator,
+    UniqueConstraint,
+    inspect,
+    text,
+)
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import ConsumerDedupError
@@ -85,11 +95,20 @@ def unwritable_columns(conn: Connection, table: Table) -> list[tuple[str, str]]:
             continue
         if mine.nullable and not column["nullable"]:
             found.append((name, "NOT NULL, ours is nullable: drop its NOT NULL"))
-        wanted = getattr(mine.type.dialect_impl(conn.dialect), "length", None)
+        ours_is = mine.type.dialect_impl(conn.dialect)
+        if _text(ours_is) and not _text(column["type"]):
+            found.append((name, f"{column['type']}, ours is text: make it {ours_is}"))
+            continue
+        wanted = getattr(ours_is, "length", None)
         length = getattr(column["type"], "length", None)
         if wanted is not None and length is not None and length < wanted:
             found.append((name, f"length {length}, ours is {wanted}: widen it"))
     return found
+
+
+def _text(kind: Any) -> bool:
+    """A string type (VARCHAR, TEXT, an ENUM), one a TypeDecorator wraps included."""
+    return isinstance(kind.impl if isinstance(kind, TypeDecorator) else kind, String)
 
 
 def addable(column: Column[Any]) -> bool:

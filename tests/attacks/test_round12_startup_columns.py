@@ -113,3 +113,11 @@ def test_consumer_offsets_with_an_extra_not_null_column_stops_a_kafka_runner(
     with pytest.raises(ConfigurationError) as refused:
         require_startup(db.engine, db.tables, needed=[offsets])
     assert f"{offsets.fullname}.tenant" in str(refused.value), str(refused.value)
+
+
+def test_a_column_of_another_kind(db: Database) -> None:
+    if db.dialect == "mysql":
+        _alter(db, "ALTER TABLE {pe} MODIFY payload_hash INTEGER NOT NULL")
+    else:
+        _alter(db, "ALTER TABLE {pe} ALTER COLUMN payload_hash TYPE INTEGER USING 0")
+    _runs_or_refuses(db, "processed_events.payload_hash")
