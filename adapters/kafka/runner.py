@@ -144,7 +144,8 @@ class KafkaConsumerRunner(ConsumerRunner):
         self.consumer = consumer
         try:
             try:
-                await consumer.start()
+                if not await self._started(consumer):
+                    return  # stopped before the broker answered: nothing read, nothing to commit
             except KafkaError as exc:  # refused credentials are fatal: retrying cannot fix them
                 where, options = self.bootstrap_servers, cfg.consumer_options
                 sasl = exc if isinstance(exc, connection.SASL_FAILURES) else None
@@ -172,6 +173,28 @@ class KafkaConsumerRunner(ConsumerRunner):
             # close the group coordinator holds up is cut short (connection.close_consumer).
             await connection.close_consumer(consumer)
             await publisher.stop()
+
+    async def _started(self, consumer: Any) -> bool:
+        """``consumer.start()``, ticking and stoppable: its bootstrap waits on a broker that
+        accepts and does not answer up to aiokafka's request_timeout_ms (40 s). False if
+        stop() came first (the start cancelled; the close in run()'s finally closes what
+        it opened)."""
+        starting = asyncio.ensure_future(consumer.start())
+        try:
+            while True:
+                done, _ = await asyncio.wait({starting}, timeout=_HELD_FETCH_CHECK)
+                if done:
+                    starting.result()
+                    return True
+                self.tick()
+                if self.stopping:
+                    break
+        finally:
+            if not starting.done():  # stopped, or run() itself cancelled
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await starting
+        return False
 
     async def _consume(self, consumer: Any, dead_letters: DeadLetters, until_idle: bool) -> None:
         schedule = self._schedule

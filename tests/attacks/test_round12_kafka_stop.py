@@ -13,15 +13,20 @@ until a new member has started a rebalance and this runner has sent its JoinGrou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
+from consumerdedup.adapters.kafka import KafkaConsumerRunner
 from tests.kafka.test_runner import Ledger, body, runner
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 
@@ -30,6 +35,11 @@ FROZEN_SESSION_MS = 60_000
 RETURNS_WITHIN = 30.0
 """run() returns within this after stop(): the close bound (10 s) plus slack, and half the
 frozen member's session."""
+
+GONE_MEMBERS_DROPPED_WITHIN = 400.0
+"""Seconds within which the broker drops members gone without a LeaveGroup: the frozen
+member's session, and the rebalance timeout of a join left pending (aiokafka's default
+max_poll_interval_ms, 300 s, bounds it)."""
 
 MEMBER = """
 import asyncio, sys
@@ -149,6 +159,7 @@ async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns
     assert await topics.lag(group, topic) == 1  # nothing committed: the record is kept
 
 
+@pytest.mark.slow  # the second runner waits for the broker to drop both members (~2 min)
 async def test_stopped_until_idle_then_a_second_runner_in_the_same_loop_takes_everything(
     kafka: KafkaService, topics: Topics, ledger: Ledger, members: Any
 ) -> None:
@@ -179,7 +190,52 @@ async def test_stopped_until_idle_then_a_second_runner_in_the_same_loop_takes_ev
 
     frozen.kill()  # gone, but a member until its session ends: the next join waits for it
     second = runner(kafka, ledger.handle, topic, group_id=group)
-    # Bounded by the frozen member's session (60 s) and the first runner's, not by luck.
-    await asyncio.wait_for(second.run(until_idle=True), 2 * FROZEN_SESSION_MS / 1000)
+    # Bounded by how long the broker keeps the two members gone without a LeaveGroup (the
+    # frozen one's session, the first runner's join: ~130 s on Tansu), not a race.
+    await asyncio.wait_for(second.run(until_idle=True), GONE_MEMBERS_DROPPED_WITHIN)
     assert sorted(ledger.applied()) == ["m-1", "m-2", "m-3"]
     assert await topics.lag(group, topic) == 0
+
+
+@pytest.fixture
+def silent_broker() -> Iterator[tuple[str, threading.Event]]:
+    """A port that accepts connections and never answers (a broker hung, or a black hole
+    in the network): its address, and an event set once a client has connected."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    connected = threading.Event()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])
+                connected.set()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}", connected
+    listener.close()
+    for sock in held:
+        sock.close()
+
+
+async def test_stop_while_the_consumer_starts_on_a_broker_that_does_not_answer(
+    kafka: KafkaService, ledger: Ledger, silent_broker: tuple[str, threading.Event]
+) -> None:
+    """stop() (SIGTERM) before the join: the consumer's start() waits on its bootstrap
+    metadata request, up to aiokafka's request timeout (40 s); run() returns within the
+    close bound of stop() all the same, committing nothing."""
+    address, connected = silent_broker
+    starting = KafkaConsumerRunner(
+        ledger.handle,
+        "never-read",
+        bootstrap_servers=address,
+        group_id="group-never",
+        config=kafka.config(poll_timeout=timedelta(milliseconds=100)),
+    )
+    running = asyncio.create_task(starting.run())
+    await asyncio.wait_for(_until(connected.is_set, running), 60)
+    starting.stop()
+    await asyncio.wait_for(running, RETURNS_WITHIN / 2)
+    assert not starting.ready and ledger.applied() == []
