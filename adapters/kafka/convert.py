@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
@@ -26,6 +26,40 @@ OUR_HEADERS = frozenset(
     {REASON_HEADER, CONSUMER_HEADER, SOURCE_HEADER, PARTITION_HEADER, OFFSET_HEADER}
 )
 """The headers a dead letter carries of ours (the source's own of these names are dropped)."""
+
+
+_FIELDS = ("id", "body", "headers", "source", "partition", "offset", "timestamp", "raw")
+if tuple(f.name for f in fields(Message)) != _FIELDS:  # pragma: no cover  # caught at import
+    raise ImportError(f"Message's fields are not {_FIELDS}: update convert._message")
+_new_message = Message.__new__
+_set_id, _set_body, _set_headers, _set_source, _set_partition, _set_offset, _set_time, _set_raw = (
+    getattr(Message, name).__set__ for name in _FIELDS
+)
+
+
+def _message(
+    message_id: Any,
+    body: bytes,
+    headers: MappingProxyType[str, str],
+    source: str,
+    partition: int,
+    offset: int,
+    time: datetime | None,
+    raw: Any,
+) -> Message:
+    """``Message(...)`` with these fields, made the way its frozen ``__init__`` would (its
+    ``__post_init__`` has nothing to do for read-only headers), without that ``__init__``'s
+    ``object.__setattr__`` per field: a third of the time, once per record."""
+    message = _new_message(Message)
+    _set_id(message, message_id)
+    _set_body(message, body)
+    _set_headers(message, headers)
+    _set_source(message, source)
+    _set_partition(message, partition)
+    _set_offset(message, offset)
+    _set_time(message, time)
+    _set_raw(message, raw)
+    return message
 
 
 def coordinates(record: Any) -> str:
@@ -78,12 +112,16 @@ def unreadable(record: Any) -> Message:
     )
 
 
+_BYTES_OR_NONE = (bytes, type(None))
+"""``bytes | None`` for isinstance, as a tuple: the same test, read faster."""
+
+
 def _converted(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
     headers: dict[str, str] = {}
     raw_id: bytes | None = None
     id_header = config.id_header
     for name, value in record.headers:
-        if not isinstance(name, str) or not isinstance(value, bytes | None):
+        if not isinstance(name, str) or not isinstance(value, _BYTES_OR_NONE):
             raise TypeError(
                 f"a header is not (str, bytes): {type(name).__name__}, {type(value).__name__}"
             )
@@ -99,16 +137,16 @@ def _converted(record: Any, config: KafkaConfig) -> tuple[Message, str | None]:
     message_id, refusal = _header_id(raw_id, config)
     if message_id is None and refusal is None and config.key is None and config.coordinates_as_id:
         message_id = coordinates_id(record)
-    message = Message(
-        id=message_id,
-        body=value if value is not None else b"",
+    message = _message(
+        message_id,
+        value if value is not None else b"",
         # Read-only already: Message keeps it as it is, without a copy (the dict is ours).
-        headers=MappingProxyType(headers),
-        source=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        timestamp=timestamp(record.timestamp),
-        raw=record,
+        MappingProxyType(headers),
+        record.topic,
+        record.partition,
+        record.offset,
+        timestamp(record.timestamp),
+        record,
     )
     if message_id is None and refusal is None:
         message, refusal = _with_key(message, record, config)

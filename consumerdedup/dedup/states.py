@@ -35,7 +35,7 @@ behind the first RETRY is RETRY too (HeldBack).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..breaker import CircuitBreaker
 from ..errors import HeldBack, PayloadMismatch, RetryLater
@@ -81,6 +81,27 @@ def next_after(kind: ErrorKind, failing: bool, exhausted: bool) -> Next:
     return ON_FAILURE[kind, failing][exhausted]
 
 
+if tuple(f.name for f in fields(Result)) != ("message", "outcome", "error", "attempts"):
+    raise ImportError("Result's fields changed: update states._result")  # pragma: no cover
+_new_result = Result.__new__
+_set_message, _set_outcome, _set_error, _set_attempts = (
+    getattr(Result, name).__set__ for name in ("message", "outcome", "error", "attempts")
+)
+
+
+def _result(
+    message: Message, outcome: Outcome, error: BaseException | None, attempts: int
+) -> Result:
+    """``Result(message, outcome, error, attempts)``, made as its frozen ``__init__`` would
+    but without an ``object.__setattr__`` per field: once per message of every batch."""
+    result = _new_result(Result)
+    _set_message(result, message)
+    _set_outcome(result, outcome)
+    _set_error(result, error)
+    _set_attempts(result, attempts)
+    return result
+
+
 @dataclass(eq=False, slots=True)
 class Item:
     """One distinct key of a batch and where it stands."""
@@ -117,7 +138,7 @@ class Item:
 
     def decide(self, outcome: Outcome, error: BaseException | None = None) -> None:
         tries = self.attempts + (1 if outcome is Outcome.PROCESSED else 0)
-        self.result = Result(self.message, outcome, error, max(tries, 1))
+        self.result = _result(self.message, outcome, error, max(tries, 1))
         self.state = State.DECIDED
 
     def fail(self, error: BaseException) -> None:
