@@ -161,8 +161,7 @@ class AsyncDedupHandler:
             report = await self._attempt(batch)
         results = self._pipeline.finish(batch)
         if self.dedup.dead_letter is None:  # nothing to await: no coroutine per message
-            for result in results:
-                self.dedup._account(result)
+            self.dedup._account_all(results)
             return results
         return [await self._settle(result) for result in results]
 

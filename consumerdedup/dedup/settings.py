@@ -6,12 +6,12 @@ The retry loop is not here: the pipeline decides each next attempt and its wait
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import ConfigurationError, InvalidMessage, PermanentError
 from ..message import MAX_ID_LENGTH, validate_id
-from ..observe import OutcomeCounts, log_result, logger
+from ..observe import OutcomeCounts, log_result, log_results, logger
 from ..options import boolean, function, functions, instance, maybe, text
 from ..outcome import Outcome, Result
 from ..reasons import describe
@@ -87,6 +87,16 @@ class OutcomeReporter:
         )
         error.__cause__ = exc
         return Result(result.message, Outcome.RETRY, error, result.attempts)
+
+    def _account_all(self, results: Sequence[Result]) -> None:
+        """``_account`` of each result, in order; without observers, the counts in one
+        step and only the lines logged at their levels looked at one by one."""
+        if self.observers:
+            for result in results:
+                self._account(result)
+            return
+        self.counts.add_all([result.outcome for result in results])
+        log_results(self.consumer, results)
 
     def _account(self, result: Result) -> None:
         self.counts.add(result.outcome)
