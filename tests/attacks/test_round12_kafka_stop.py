@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ import pytest
 
 from consumerdedup.adapters.kafka import KafkaConsumerRunner
 from tests.kafka.test_runner import Ledger, body, runner
+from tests.support.kafka_joins import join_sent_fixture  # noqa: F401
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 
 FROZEN_SESSION_MS = 60_000
@@ -86,22 +86,6 @@ def members() -> Iterator[Any]:
         member.wait()
 
 
-def _joins_sent() -> asyncio.Event:
-    """Set once aiokafka logs that it sends a JoinGroup (its DEBUG line, right before)."""
-    sent = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    class Seen(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("Sending JoinGroup"):
-                loop.call_soon_threadsafe(sent.set)
-
-    coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
-    coordinator.addHandler(Seen(logging.DEBUG))
-    coordinator.setLevel(logging.DEBUG)
-    return sent
-
-
 async def _until(condition: Any, running: asyncio.Task[None]) -> None:
     while not condition():
         assert not running.done(), running
@@ -110,7 +94,12 @@ async def _until(condition: Any, running: asyncio.Task[None]) -> None:
 
 @pytest.mark.parametrize("offsets", ["broker", "database"])
 async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns(
-    kafka: KafkaService, topics: Topics, ledger: Ledger, members: Any, offsets: str
+    kafka: KafkaService,
+    topics: Topics,
+    ledger: Ledger,
+    members: Any,
+    offsets: str,
+    join_sent: asyncio.Event,
 ) -> None:
     topic = await topics.create("midrun", partitions=4)
     group = "group-" + topic
@@ -127,7 +116,8 @@ async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns
     frozen.send_signal(signal.SIGSTOP)  # from now on it holds every join for its session
     consumer = consuming.consumer
     mine = min(consumer.assignment())
-    joins = _joins_sent()
+    joins = join_sent
+    joins.clear()  # its first join is done (ready): what comes next is the rejoin
     original = consumer.getmany
     in_the_other_getmany = asyncio.Event()
     triggered = False
@@ -161,7 +151,7 @@ async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns
 
 @pytest.mark.slow  # the second runner waits for the broker to drop both members (~2 min)
 async def test_stopped_until_idle_then_a_second_runner_in_the_same_loop_takes_everything(
-    kafka: KafkaService, topics: Topics, ledger: Ledger, members: Any
+    kafka: KafkaService, topics: Topics, ledger: Ledger, members: Any, join_sent: asyncio.Event
 ) -> None:
     """run(until_idle=True) whose first join a frozen member holds: stop() returns it with
     nothing handled (its close cut short: it stays a member until its session ends). A
@@ -177,7 +167,7 @@ async def test_stopped_until_idle_then_a_second_runner_in_the_same_loop_takes_ev
     for n, partition in enumerate([0, 1, 0], start=1):
         await topics.produce(topic, body(n), event_id=f"m-{n}", partition=partition)
 
-    joins = _joins_sent()
+    joins = join_sent
     first = runner(kafka, ledger.handle, topic, group_id=group)
     running = asyncio.create_task(first.run(until_idle=True))
     await asyncio.wait_for(_until(joins.is_set, running), 60)

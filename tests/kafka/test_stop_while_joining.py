@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.kafka.test_runner import Ledger, body, runner
+from tests.support.kafka_joins import join_sent_fixture  # noqa: F401
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 
 FROZEN_SESSION_MS = 60_000
@@ -111,29 +112,6 @@ async def test_stop_while_a_frozen_member_holds_the_join_returns_and_commits_not
     assert await topics.lag(group, topic) == 1  # nothing committed: the record is kept
     said = [r.getMessage() for r in caplog.records if r.name == "consumerdedup.kafka"]
     assert any("did not close within" in line for line in said), said
-
-
-@pytest.fixture
-async def join_sent() -> AsyncIterator[asyncio.Event]:
-    """Set once aiokafka logs that it sends a JoinGroup (its DEBUG line, right before).
-    The handler goes with the test: aiokafka's logger outlives this test's event loop."""
-    sent = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    class Seen(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("Sending JoinGroup") and not loop.is_closed():
-                loop.call_soon_threadsafe(sent.set)
-
-    coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
-    seen, level = Seen(logging.DEBUG), coordinator.level
-    coordinator.addHandler(seen)
-    coordinator.setLevel(logging.DEBUG)
-    try:
-        yield sent
-    finally:
-        coordinator.removeHandler(seen)
-        coordinator.setLevel(level)
 
 
 async def _first(sent: asyncio.Event, running: asyncio.Task[None]) -> None:
