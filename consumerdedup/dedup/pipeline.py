@@ -324,9 +324,14 @@ class Pipeline:
             item.decide(Outcome.PROCESSED)
         for item in failing:
             item.decide(Outcome.FAILED, item.failure)
-        if batch.breaker is not None:  # a runner's batch (direct calls have none)
+        if batch.breaker is not None and handled:  # a runner's batch (direct calls have none)
+            # _tell_breaker of each, at once: all passed (a run of failures ends once).
+            told = False
             for item in handled:
-                self._tell_breaker(batch, item)
+                if not item.counted:
+                    item.counted = told = True
+            if told:
+                batch.breaker.succeeded()
         if batch.limit is not None:  # grow back after a culprit was passed, halving found it
             batch.limit *= 2
         return self._report(batch)

@@ -188,11 +188,16 @@ class Batch:
 
     def hold_back(self) -> None:
         """On an ordered source, everything behind a message to retry is retried with it."""
-        retried = [i for i, item in enumerate(self.items) if item.outcome is Outcome.RETRY]
-        if not retried:
+        first = -1
+        for index, item in enumerate(self.items):  # the first RETRY, without a call each
+            result = item.result
+            if result is not None and result.outcome is Outcome.RETRY:
+                first = index
+                break
+        if first < 0:
             return
-        ahead = self.items[retried[0]]
-        for item in self.items[retried[0] + 1 :]:
+        ahead = self.items[first]
+        for item in self.items[first + 1 :]:
             if item.state is not State.DECIDED:
                 item.decide(Outcome.RETRY, HeldBack(f"behind {ahead.key!r}, which is retried"))
 
