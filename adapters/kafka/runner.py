@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from aiokafka.errors import IllegalStateError, KafkaError  # type: ignore[import-untyped]
 
@@ -35,8 +35,10 @@ def _topic(name: object, option: str) -> str:
 
 
 _DEADLINE_CHECK = 0.5
-_HELD_FETCH_CHECK = 0.1
-"""How often a fetch the group's rebalance holds looks at the stop flag (past its timeout)."""
+T = TypeVar("T")
+
+_HELD_CHECK = 0.1
+"""How often a start or a fetch the broker holds looks at the stop flag (past its timeout)."""
 """How often run() looks for a deadline given to stop() while nothing else wakes it."""
 DEAD_LETTER_TRIES = 3
 """Offsets in the database: sends of a chunk's dead letters before one still unsent is
@@ -175,26 +177,30 @@ class KafkaConsumerRunner(ConsumerRunner):
             await publisher.stop()
 
     async def _started(self, consumer: Any) -> bool:
-        """``consumer.start()``, ticking and stoppable: its bootstrap waits on a broker that
-        accepts and does not answer up to aiokafka's request_timeout_ms (40 s). False if
-        stop() came first (the start cancelled; the close in run()'s finally closes what
-        it opened)."""
-        starting = asyncio.ensure_future(consumer.start())
+        """``consumer.start()``: its bootstrap waits on a broker that accepts and does not
+        answer up to aiokafka's request_timeout_ms (40 s). False if stop() came first (the
+        close in run()'s finally closes what it opened)."""
+        started, _ = await self._stoppable(consumer.start(), 0.0)
+        return started
+
+    async def _stoppable(self, work: Awaitable[T], wait: float) -> tuple[bool, T | None]:
+        """``work``, ticking while it waits past ``wait`` seconds (alive: held by the
+        broker, not stuck) and cancelled on stop() or when run() is cancelled: (True, its
+        result), or (False, None) if stop() came first."""
+        task = asyncio.ensure_future(work)
         try:
             while True:
-                done, _ = await asyncio.wait({starting}, timeout=_HELD_FETCH_CHECK)
+                done, _ = await asyncio.wait({task}, timeout=_HELD_CHECK + wait)
                 if done:
-                    starting.result()
-                    return True
+                    return True, task.result()
                 self.tick()
                 if self.stopping:
-                    break
+                    return False, None
         finally:
-            if not starting.done():  # stopped, or run() itself cancelled
-                starting.cancel()
+            if not task.done():
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await starting
-        return False
+                    await task
 
     async def _consume(self, consumer: Any, dead_letters: DeadLetters, until_idle: bool) -> None:
         schedule = self._schedule
@@ -291,19 +297,9 @@ class KafkaConsumerRunner(ConsumerRunner):
         getmany waits for the assignment whatever its timeout, and a JoinGroup lasts until
         every member has rejoined (a frozen one: its whole session). Cancelled on stop, it
         has taken nothing (records it had fetched stay in the fetcher, uncommitted)."""
-        fetching = asyncio.ensure_future(
-            consumer.getmany(*partitions, timeout_ms=wait_ms, max_records=size)
-        )
-        while True:
-            done, _ = await asyncio.wait({fetching}, timeout=_HELD_FETCH_CHECK + wait_ms / 1000)
-            if done:
-                return fetching.result()  # type: ignore[no-any-return]
-            self.tick()  # alive: held by the group's rebalance, not stuck
-            if self.stopping:
-                fetching.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await fetching
-                return {}
+        fetching = consumer.getmany(*partitions, timeout_ms=wait_ms, max_records=size)
+        fetched, got = await self._stoppable(fetching, wait_ms / 1000)
+        return got if fetched and got is not None else {}
 
     async def _handle_fetch(
         self,
