@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -27,11 +24,9 @@ import pytest
 
 from consumerdedup.adapters.kafka import KafkaConsumerRunner
 from tests.kafka.test_runner import Ledger, body, runner
-from tests.support.kafka_joins import join_sent_fixture  # noqa: F401
+from tests.support.kafka_joins import assigned, freeze, join_sent_fixture, members_fixture  # noqa: F401
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 
-FROZEN_SESSION_MS = 60_000
-"""The frozen member's session: the join it holds would last this long."""
 RETURNS_WITHIN = 30.0
 """run() returns within this after stop(): the close bound (10 s) plus slack, and half the
 frozen member's session."""
@@ -41,49 +36,12 @@ GONE_MEMBERS_DROPPED_WITHIN = 400.0
 member's session, and the rebalance timeout of a join left pending (aiokafka's default
 max_poll_interval_ms, 300 s, bounds it)."""
 
-MEMBER = """
-import asyncio, sys
-from aiokafka import AIOKafkaConsumer
-
-async def main():
-    consumer = AIOKafkaConsumer(
-        sys.argv[2], bootstrap_servers=sys.argv[1], group_id=sys.argv[3],
-        session_timeout_ms=int(sys.argv[4]), heartbeat_interval_ms=1000,
-        enable_auto_commit=False,
-    )
-    await consumer.start()
-    while not consumer.assignment():
-        await consumer.getmany(timeout_ms=100)
-    print("assigned", flush=True)
-    while True:
-        await consumer.getmany(timeout_ms=100)
-
-asyncio.run(main())
-"""
-
 
 @pytest.fixture
 async def ledger(pg: Any) -> AsyncIterator[Ledger]:
     found = Ledger(pg)
     yield found
     await found.close()
-
-
-@pytest.fixture
-def members() -> Iterator[Any]:
-    """Starts plain aiokafka group members (subprocesses); killed at the end."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(kafka: KafkaService, topic: str, group: str) -> subprocess.Popen[bytes]:
-        args = [kafka.bootstrap, topic, group, str(FROZEN_SESSION_MS)]
-        member = subprocess.Popen([sys.executable, "-c", MEMBER, *args], stdout=subprocess.PIPE)
-        started.append(member)
-        return member
-
-    yield start
-    for member in started:
-        member.kill()
-        member.wait()
 
 
 async def _until(condition: Any, running: asyncio.Task[None]) -> None:
@@ -104,8 +62,7 @@ async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns
     topic = await topics.create("midrun", partitions=4)
     group = "group-" + topic
     frozen = members(kafka, topic, group)
-    assert frozen.stdout is not None
-    assert frozen.stdout.readline().strip() == b"assigned"
+    assigned(frozen)
 
     consuming = runner(kafka, ledger.handle, topic, group_id=group, offsets=offsets)
     running = asyncio.create_task(consuming.run())
@@ -113,7 +70,7 @@ async def test_stop_while_a_rebalance_holds_the_other_partitions_getmany_returns
     await asyncio.wait_for(
         _until(lambda: consuming.ready and len(consuming.consumer.assignment()) == 2, running), 60
     )
-    frozen.send_signal(signal.SIGSTOP)  # from now on it holds every join for its session
+    freeze(frozen)  # from now on it holds every join for its session
     consumer = consuming.consumer
     mine = min(consumer.assignment())
     joins = join_sent
@@ -161,9 +118,8 @@ async def test_stopped_until_idle_then_a_second_runner_in_the_same_loop_takes_ev
     topic = await topics.create("idle", partitions=2)
     group = "group-" + topic
     frozen = members(kafka, topic, group)
-    assert frozen.stdout is not None
-    assert frozen.stdout.readline().strip() == b"assigned"
-    frozen.send_signal(signal.SIGSTOP)
+    assigned(frozen)
+    freeze(frozen)
     for n, partition in enumerate([0, 1, 0], start=1):
         await topics.produce(topic, body(n), event_id=f"m-{n}", partition=partition)
 

@@ -13,43 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from tests.kafka.test_runner import Ledger, body, runner
-from tests.support.kafka_joins import join_sent_fixture  # noqa: F401
+from tests.support.kafka_joins import assigned, freeze, join_sent_fixture, members_fixture  # noqa: F401
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 
-FROZEN_SESSION_MS = 60_000
-"""The frozen member's session: the join it holds would last this long."""
 RETURNS_WITHIN = 30.0
 """run() returns within this after stop(): the close bound (10 s) plus a loaded machine's
 slack, and half the frozen member's session."""
-
-MEMBER = """
-import asyncio, sys
-from aiokafka import AIOKafkaConsumer
-
-async def main():
-    consumer = AIOKafkaConsumer(
-        sys.argv[2], bootstrap_servers=sys.argv[1], group_id=sys.argv[3],
-        session_timeout_ms=int(sys.argv[4]), heartbeat_interval_ms=1000,
-        enable_auto_commit=False,
-    )
-    await consumer.start()
-    while not consumer.assignment():
-        await consumer.getmany(timeout_ms=100)
-    print("assigned", flush=True)
-    while True:
-        await consumer.getmany(timeout_ms=100)
-
-asyncio.run(main())
-"""
 
 
 @pytest.fixture
@@ -59,38 +34,20 @@ async def ledger(pg: Any) -> AsyncIterator[Ledger]:
     await found.close()
 
 
-@pytest.fixture
-def frozen_member() -> Iterator[Any]:
-    """Starts a group member, waits for its assignment, then freezes it (SIGSTOP)."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def freeze(kafka: KafkaService, topic: str, group: str) -> subprocess.Popen[bytes]:
-        args = [kafka.bootstrap, topic, group, str(FROZEN_SESSION_MS)]
-        member = subprocess.Popen([sys.executable, "-c", MEMBER, *args], stdout=subprocess.PIPE)
-        started.append(member)
-        assert member.stdout is not None
-        assert member.stdout.readline().strip() == b"assigned"
-        member.send_signal(signal.SIGSTOP)
-        return member
-
-    yield freeze
-    for member in started:
-        member.kill()
-        member.wait()
-
-
 async def test_stop_while_a_frozen_member_holds_the_join_returns_and_commits_nothing(
     kafka: KafkaService,
     topics: Topics,
     ledger: Ledger,
-    frozen_member: Any,
+    members: Any,
     join_sent: asyncio.Event,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     topic = await topics.create("joining", partitions=2)
     group = "group-" + topic
     await topics.produce(topic, body(1), event_id="m-1")
-    frozen_member(kafka, topic, group)
+    frozen = members(kafka, topic, group)
+    assigned(frozen)
+    freeze(frozen)
 
     joining = runner(kafka, ledger.handle, topic, group_id=group)
     sent = join_sent

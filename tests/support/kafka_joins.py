@@ -1,15 +1,75 @@
-"""A fixture that says when aiokafka sends a JoinGroup, for tests that hold a group's join
-at the broker (a SIGSTOPped member) and must know the join is there before they stop."""
+"""Holding a group's join at the broker, for the tests of a runner stopped meanwhile: plain
+aiokafka members to freeze (a member alive but frozen, SIGSTOPped, holds every JoinGroup
+until its session ends), and a fixture that says when aiokafka sends a JoinGroup."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
+from tests.support.kafka_service import KafkaService
+
 COORDINATOR_LOG = "aiokafka.consumer.group_coordinator"
+
+FROZEN_SESSION_MS = 60_000
+"""A member's session: the join a frozen member holds would last this long."""
+
+MEMBER = """
+import asyncio, sys
+from aiokafka import AIOKafkaConsumer
+
+async def main():
+    consumer = AIOKafkaConsumer(
+        sys.argv[2], bootstrap_servers=sys.argv[1], group_id=sys.argv[3],
+        session_timeout_ms=int(sys.argv[4]), heartbeat_interval_ms=1000,
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    while not consumer.assignment():
+        await consumer.getmany(timeout_ms=100)
+    print("assigned", flush=True)
+    while True:
+        await consumer.getmany(timeout_ms=100)
+
+asyncio.run(main())
+"""
+
+Members = Callable[[KafkaService, str, str], "subprocess.Popen[bytes]"]
+
+
+@pytest.fixture(name="members")
+def members_fixture() -> Iterator[Members]:
+    """Starts plain aiokafka group members (subprocesses, FROZEN_SESSION_MS sessions);
+    killed at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(kafka: KafkaService, topic: str, group: str) -> subprocess.Popen[bytes]:
+        args = [kafka.bootstrap, topic, group, str(FROZEN_SESSION_MS)]
+        member = subprocess.Popen([sys.executable, "-c", MEMBER, *args], stdout=subprocess.PIPE)
+        started.append(member)
+        return member
+
+    yield start
+    for member in started:
+        member.kill()
+        member.wait()
+
+
+def assigned(member: subprocess.Popen[bytes]) -> None:
+    """Returns once ``member`` has its partitions."""
+    assert member.stdout is not None
+    assert member.stdout.readline().strip() == b"assigned"
+
+
+def freeze(member: subprocess.Popen[bytes]) -> None:
+    """From now on ``member`` holds every join of its group until its session ends."""
+    member.send_signal(signal.SIGSTOP)
 
 
 @pytest.fixture(name="join_sent")
