@@ -39,6 +39,16 @@ class Ownership:
         self.claims = claims
         self.owned: dict[Any, Owned] = {}
         self.pending: set[Any] = set()
+        self._news: asyncio.Future[None] | None = None
+
+    def news(self) -> asyncio.Future[None]:
+        """Done at the next assignment: a fetch waiting then stops waiting, as the partitions
+        it brought stay paused until the loop takes them (a poll_timeout of nothing, at
+        every start and rebalance). Not done for partitions already pending (a take that
+        failed): their next try waits for the fetch, as it should."""
+        if self._news is None or self._news.done():
+            self._news = asyncio.get_running_loop().create_future()
+        return self._news
 
     async def check_startup(self, handler: Any) -> None:
         """consumer_offsets exists with its key and columns, and may be written, on the
@@ -63,6 +73,8 @@ class Ownership:
         self.pending |= fresh
         if fresh:
             consumer.pause(*fresh)
+            if self._news is not None and not self._news.done():
+                self._news.set_result(None)
 
     def revoked(self, partitions: Iterable[Any]) -> None:
         for tp in partitions:

@@ -180,19 +180,28 @@ class KafkaConsumerRunner(ConsumerRunner):
         """``consumer.start()``: its bootstrap waits on a broker that accepts and does not
         answer up to aiokafka's request_timeout_ms (40 s). False if stop() came first (the
         close in run()'s finally closes what it opened)."""
-        started, _ = await self._stoppable(consumer.start(), 0.0)
+        started, _ = await self._stoppable(consumer.start())
         return started
 
-    async def _stoppable(self, work: Awaitable[T], wait: float) -> tuple[bool, T | None]:
-        """``work``, ticking while it waits past ``wait`` seconds (alive: held by the
-        broker, not stuck) and cancelled on stop() or when run() is cancelled: (True, its
-        result), or (False, None) if stop() came first."""
+    async def _stoppable(
+        self, work: Awaitable[T], news: asyncio.Future[None] | None = None
+    ) -> tuple[bool, T | None]:
+        """``work``, ticking while it waits (alive: held by the broker, not stuck) and
+        cancelled on stop() or when run() is cancelled: (True, its result), or (False,
+        None) if stop() came first; cancelled too once ``news`` is done: (True, None).
+        stop() is looked at every _HELD_CHECK, whatever poll_timeout is: a long one must
+        not hold a SIGTERM up."""
         task = asyncio.ensure_future(work)
+        waiting = {task} if news is None else {task, news}
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=_HELD_CHECK + wait)
-                if done:
+                done, _ = await asyncio.wait(
+                    waiting, timeout=_HELD_CHECK, return_when=asyncio.FIRST_COMPLETED
+                )
+                if task in done:
                     return True, task.result()
+                if news is not None and news.done():
+                    return True, None
                 self.tick()
                 if self.stopping:
                     return False, None
@@ -222,7 +231,8 @@ class KafkaConsumerRunner(ConsumerRunner):
                     logger.info("a rebalance came while reading partitions alone; reading on")
                 continue
             if not fetched:
-                if until_idle and not schedule.paused and await self._idle(consumer):
+                taking = self._ownership is not None and self._ownership.pending
+                if until_idle and not schedule.paused and not taking and await self._idle(consumer):
                     return
                 continue
             await self._handle_fetch(consumer, dead_letters, fetched, epoch)
@@ -298,7 +308,9 @@ class KafkaConsumerRunner(ConsumerRunner):
         every member has rejoined (a frozen one: its whole session). Cancelled on stop, it
         has taken nothing (records it had fetched stay in the fetcher, uncommitted)."""
         fetching = consumer.getmany(*partitions, timeout_ms=wait_ms, max_records=size)
-        fetched, got = await self._stoppable(fetching, wait_ms / 1000)
+        # Offsets in the database: partitions assigned meanwhile wait, paused, to be taken.
+        news = None if self._ownership is None else self._ownership.news()
+        fetched, got = await self._stoppable(fetching, news)
         return got if fetched and got is not None else {}
 
     async def _handle_fetch(

@@ -547,6 +547,44 @@ async def test_a_chunk_of_refused_records_alone_moves_the_offset_too(
     assert len(await topics.records(topic + ".dlq")) == 1  # dead-lettered once, not twice
 
 
+async def test_the_first_records_are_read_at_the_assignment_not_a_poll_timeout_later(
+    kafka: KafkaService, topics: Topics, pg: Any
+) -> None:
+    """An assigned partition is paused until the loop takes it (its owner epoch, its
+    stored offset); the fetch that was waiting for the assignment used to wait out its
+    whole poll_timeout before the loop got to the take: here 40 s, at every start and
+    rebalance. Now the assignment ends that wait: the records are applied well within it,
+    and stop() ends the run promptly."""
+    ledger = pg.create_ledger()
+    topic = await topics.create("news")
+    group = "news-" + topic
+    engine = pg.async_engine()
+    await topics.produce_many(topic, events(0, 20))
+    runner = make_runner(
+        kafka,
+        ledger_handler(engine, pg.tables, ledger, "news"),
+        topic,
+        group,
+        claim_ids=False,
+        poll_timeout=timedelta(seconds=40),
+    )
+    running = asyncio.create_task(runner.run())
+    try:
+        await until(lambda: runner.ready, "the runner to join the group")
+        loop = asyncio.get_running_loop()
+        joined = loop.time()
+        await until(lambda: len(applied(pg, ledger)) == 20, "the 20 records", timeout=30.0)
+        assert loop.time() - joined < 30.0  # a poll_timeout (40 s) after the join: failed
+        runner.stop()
+        await asyncio.wait_for(running, 15.0)
+    finally:
+        if not running.done():
+            running.cancel()
+        await engine.dispose()
+    assert sorted(applied(pg, ledger)) == [eid for eid, _ in events(0, 20)]
+    assert stored(pg, group, topic)[0] == 20
+
+
 async def test_the_collector_is_frozen_once_set_up_before_the_first_record(
     kafka: KafkaService, topics: Topics, pg: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
