@@ -191,8 +191,8 @@ class KafkaConsumerRunner(ConsumerRunner):
         None) if stop() came first; cancelled too once ``news`` is done: (True, None).
         stop() is looked at every _HELD_CHECK, whatever poll_timeout is: a long one must
         not hold a SIGTERM up."""
-        task = asyncio.ensure_future(work)
-        waiting = {task} if news is None else {task, news}
+        task: asyncio.Future[Any] = asyncio.ensure_future(work)
+        waiting: set[asyncio.Future[Any]] = {task} if news is None else {task, news}
         try:
             while True:
                 done, _ = await asyncio.wait(
