@@ -71,6 +71,13 @@ Scenario = Callable[[str, int], Awaitable[float]]
 B = TypeVar("B", bound="Bench")
 
 
+async def driver_connection(session: Any) -> Any:
+    """The psycopg connection under a handler's AsyncSession: its transaction, SQLAlchemy's
+    own way there (docs/performance.md, "A handler on the driver connection")."""
+    connection = await session.connection()
+    return (await connection.get_raw_connection()).driver_connection
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, bootstrap: str, url: str) -> None:
         self.args = args
@@ -247,7 +254,12 @@ class Bench:
             await consumer.stop()
             await database.close()
 
-    def handler(self, blocking: bool, bulk: bool = False) -> Any:
+    def handler(self, blocking: bool, bulk: bool = False, driver: bool = False) -> Any:
+        """The bench's handler: one row a record through the session (SQLAlchemy), or with
+        ``driver`` through the session's psycopg connection, the statement and the calls of
+        the plain loop (like with like: the runner's cost, not SQLAlchemy's)."""
+        if driver:
+            return self.driver_handler(bulk)
         insert = text(f"INSERT INTO {self.schema}.ledger VALUES (:m, :n)")
         if bulk:
             return self.bulk_handler(blocking, insert)
@@ -292,6 +304,29 @@ class Bench:
 
         return apply
 
+    def driver_handler(self, bulk: bool) -> Any:
+        """The handler on the transaction's own psycopg connection (docs/performance.md)."""
+        insert = f"INSERT INTO {self.schema}.ledger VALUES (%s, %s)"
+        async_dedup = AsyncDeduplicator(self.engine, consumer="bench", tables=self.tables)
+        if bulk:
+
+            @async_dedup.bulk_handler
+            async def apply_bulk(messages: list[Message], session: Any) -> None:
+                raw = await driver_connection(session)
+                async with raw.cursor() as cur:
+                    await cur.executemany(
+                        insert, [(m.id, json.loads(m.body)["amount"]) for m in messages]
+                    )
+
+            return apply_bulk
+
+        @async_dedup.handler
+        async def apply(message: Message, session: Any) -> None:
+            raw = await driver_connection(session)
+            await raw.execute(insert, (message.id, json.loads(message.body)["amount"]))
+
+        return apply
+
     async def runner(
         self,
         topic: str,
@@ -300,10 +335,11 @@ class Bench:
         blocking: bool,
         bulk: bool = False,
         in_flight: int = 4,
+        driver: bool = False,
         **options: Any,
     ) -> float:
         """The runner draining ``topic``; ``options``: more KafkaConfig options."""
-        apply = self.handler(blocking, bulk)
+        apply = self.handler(blocking, bulk, driver)
 
         done = 0
         finished = 0.0

@@ -90,9 +90,19 @@ class OffsetsBench(Bench):
         offsets: str,
         claim_ids: bool = True,
         blocking: bool = False,
+        driver: bool = False,
+        in_flight: int = 4,
     ) -> float:
         return await self.runner(
-            topic, count, 500, blocking, bulk=bulk, offsets=offsets, claim_ids=claim_ids
+            topic,
+            count,
+            500,
+            blocking,
+            bulk=bulk,
+            in_flight=in_flight,
+            driver=driver,
+            offsets=offsets,
+            claim_ids=claim_ids,
         )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -35,6 +36,7 @@ import time
 import uuid
 from typing import Any
 
+import psycopg
 from aiokafka.structs import ConsumerRecord  # type: ignore[import-untyped]
 from sqlalchemy import text
 
@@ -65,11 +67,62 @@ def records(bench: Bench, topic: str, partition: int, count: int) -> list[Any]:
     return made
 
 
+async def plain_round(bench: Bench, args: argparse.Namespace, bulk: bool) -> float:
+    """The plain loop's chunk path on the same records: per chunk one transaction on async
+    psycopg with the rows (``executemany``, or one ``execute`` each) and the partition's next
+    offset by one UPDATE conditional on its owner epoch (bench_kafka.py ``by_hand`` with
+    ``offset_in_db``, without the broker); the partitions side by side on four connections,
+    as the runner's four in flight."""
+    topic = f"plain-{uuid.uuid4().hex[:10]}"
+    schema, group = bench.schema, "plain-chunks"
+    insert = f"INSERT INTO {schema}.ledger VALUES (%s, %s)"
+    advance = (
+        f"UPDATE {schema}.plain_offsets SET next_offset = %s, updated_at = now() "
+        "WHERE consumer_group = %s AND topic = %s AND partition = %s AND owner_epoch = %s"
+    )
+    per = args.messages // args.partitions
+    fetched = {p: records(bench, topic, p, per) for p in range(args.partitions)}
+    connections = [
+        await psycopg.AsyncConnection.connect(bench.conninfo) for _ in range(args.partitions)
+    ]
+    async with connections[0].transaction(), connections[0].cursor() as cur:
+        await cur.executemany(
+            f"INSERT INTO {schema}.plain_offsets VALUES (%s, %s, %s, NULL, 1, now())",
+            [(group, topic, p) for p in fetched],
+        )
+
+    async def partition(p: int) -> None:
+        database = connections[p]
+        for start in range(0, per, 500):
+            chunk = fetched[p][start : start + 500]
+            async with database.transaction(), database.cursor() as cur:
+                ids = [dict(r.headers)["event_id"].decode() for r in chunk]
+                rows = [(i, json.loads(r.value)["amount"]) for i, r in zip(ids, chunk)]
+                if bulk:
+                    await cur.executemany(insert, rows)
+                else:
+                    for row in rows:
+                        await cur.execute(insert, row)
+                await cur.execute(advance, (chunk[-1].offset + 1, group, topic, p, 1))
+                assert cur.rowcount == 1, "fenced"
+
+    try:
+        used = time.process_time()
+        await asyncio.gather(*(partition(p) for p in fetched))
+        return (time.process_time() - used) / (per * args.partitions) * 1e6
+    finally:
+        for connection in connections:
+            await connection.close()
+
+
 async def one_round(bench: Bench, args: argparse.Namespace, bulk: bool) -> float:
+    if args.scenario.startswith("plain-"):
+        return await plain_round(bench, args, bulk)
     topic = f"chunks-{uuid.uuid4().hex[:10]}"
     config = KafkaConfig(batch_size=500, offsets="database", claim_ids=False)
+    driver = args.scenario.startswith("driver-")
     runner = KafkaConsumerRunner(
-        bench.handler(False, bulk), topic, bootstrap_servers="unused:9092", config=config
+        bench.handler(False, bulk, driver), topic, bootstrap_servers="unused:9092", config=config
     )
     store = OffsetStore(bench.engine, bench.tables, "chunks-" + topic)
     per = args.messages // args.partitions
@@ -100,7 +153,7 @@ async def main_async(args: argparse.Namespace) -> None:
         collector.freeze_once()  # as the runner does once set up
         figures = []
         for round_ in range(args.rounds):
-            figure = await one_round(bench, args, args.scenario == "bulk")
+            figure = await one_round(bench, args, args.scenario.endswith("bulk"))
             figures.append(figure)
             print(f"round {round_ + 1}: {figure:.1f} us CPU per record", flush=True)
         print(
@@ -117,7 +170,13 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", choices=["bulk", "each"], default="bulk")
+    parser.add_argument(
+        "--scenario",
+        choices=["bulk", "each", "driver-bulk", "driver-each", "plain-bulk", "plain-each"],
+        default="bulk",
+        help="the runner with bench_kafka's handler through the session, or on the driver "
+        "connection (driver-), or the plain loop (plain-)",
+    )
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--partitions", type=int, default=4)

@@ -51,8 +51,17 @@ async def one_round(bench: CpuBench, scenario: str, count: int) -> float:
         return (time.process_time() - bench.cpu_start) / count * 1e6
     bulk = scenario.endswith("bulk")
     claims = scenario.startswith("claims-")
+    driver = scenario.startswith("driver-")
     task = asyncio.create_task(
-        bench.offsets_runner(topic, count, bulk=bulk, offsets="database", claim_ids=claims)
+        bench.offsets_runner(
+            topic,
+            count,
+            bulk=bulk,
+            offsets="database",
+            claim_ids=claims,
+            driver=driver,
+            in_flight=bench.args.in_flight,
+        )
     )
     # offsets_runner starts its clock once the group assigned the partitions: read the CPU
     # time at that moment too, by polling for the assignment the same way.
@@ -140,10 +149,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--scenario",
-        choices=["bulk", "each", "claims-bulk", "plain-bulk", "plain-each"],
+        choices=[
+            "bulk", "each", "claims-bulk", "plain-bulk", "plain-each", "driver-bulk", "driver-each"
+        ],
         default="bulk",
     )
     parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--in-flight", type=int, default=4, help="partitions_in_flight")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--body-size", type=int, default=256)
