@@ -97,7 +97,7 @@ async def plain_round(bench: Bench, args: argparse.Namespace, bulk: bool) -> flo
             chunk = fetched[p][start : start + 500]
             async with database.transaction(), database.cursor() as cur:
                 ids = [dict(r.headers)["event_id"].decode() for r in chunk]
-                rows = [(i, json.loads(r.value)["amount"]) for i, r in zip(ids, chunk)]
+                rows = [(i, json.loads(r.value)["amount"]) for i, r in zip(ids, chunk, strict=True)]
                 if bulk:
                     await cur.executemany(insert, rows)
                 else:

@@ -150,7 +150,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--scenario",
         choices=[
-            "bulk", "each", "claims-bulk", "plain-bulk", "plain-each", "driver-bulk", "driver-each"
+            "bulk",
+            "each",
+            "claims-bulk",
+            "plain-bulk",
+            "plain-each",
+            "driver-bulk",
+            "driver-each",
         ],
         default="bulk",
     )
