@@ -58,7 +58,15 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from consumerdedup import AsyncDeduplicator, Deduplicator, Message, Result, Tables, install
+from consumerdedup import (
+    AsyncDeduplicator,
+    Deduplicator,
+    Message,
+    Result,
+    Tables,
+    driver_connection,
+    install,
+)
 from consumerdedup.adapters.kafka import KafkaConfig, KafkaConsumerRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -69,13 +77,6 @@ from tansu import start_tansu
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 Scenario = Callable[[str, int], Awaitable[float]]
 B = TypeVar("B", bound="Bench")
-
-
-async def driver_connection(session: Any) -> Any:
-    """The psycopg connection under a handler's AsyncSession: its transaction, SQLAlchemy's
-    own way there (docs/performance.md, "A handler on the driver connection")."""
-    connection = await session.connection()
-    return (await connection.get_raw_connection()).driver_connection
 
 
 class Bench:
@@ -305,14 +306,15 @@ class Bench:
         return apply
 
     def driver_handler(self, bulk: bool) -> Any:
-        """The handler on the transaction's own psycopg connection (docs/performance.md)."""
+        """The handler on its transaction's psycopg connection (consumerdedup.driver_connection:
+        docs/performance.md, "A handler on the driver's connection")."""
         insert = f"INSERT INTO {self.schema}.ledger VALUES (%s, %s)"
         async_dedup = AsyncDeduplicator(self.engine, consumer="bench", tables=self.tables)
         if bulk:
 
             @async_dedup.bulk_handler
             async def apply_bulk(messages: list[Message], session: Any) -> None:
-                raw = await driver_connection(session)
+                raw = driver_connection(session)
                 async with raw.cursor() as cur:
                     await cur.executemany(
                         insert, [(m.id, json.loads(m.body)["amount"]) for m in messages]
@@ -322,7 +324,7 @@ class Bench:
 
         @async_dedup.handler
         async def apply(message: Message, session: Any) -> None:
-            raw = await driver_connection(session)
+            raw = driver_connection(session)
             await raw.execute(insert, (message.id, json.loads(message.body)["amount"]))
 
         return apply

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .dedup.async_deduplicator import AsyncBulkDedupHandler, AsyncDedupHandler, AsyncDeduplicator
 from .dedup.deduplicator import BulkDedupHandler, DedupHandler, Deduplicator
+from .dedup.driver_connection import driver_connection
 from .dedup.settings import DeadLetterFailed
 from .errors import (
     AuthenticationFailed,
@@ -102,6 +103,7 @@ __all__ = [
     "SimulatedCrash",
     "Tables",
     "TransactionBroken",
+    "driver_connection",
     "install",
     "process_once",
     "process_once_async",

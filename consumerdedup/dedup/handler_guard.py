@@ -186,6 +186,11 @@ class HandlerCall:
         watch_session(session)
         session.info[CALL] = self.info[CALL] = self
 
+    @property
+    def driver(self) -> Any:
+        """The driver's connection the calls run on (driver_connection.py)."""
+        return self._raw
+
     def again(self) -> None:
         """Before the next handler call of the same attempt: the guard stayed in place since
         the last one returned, so whatever ran on the connection in between was watched

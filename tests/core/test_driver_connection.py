@@ -1,0 +1,213 @@
+"""``consumerdedup.driver_connection(session)``: the driver's own connection of a handler's
+transaction, on every database and driver the deduplicators take.
+
+What it must hold: a write sent through it commits with the message's record, or is rolled
+back with it (the handler raises after it, or a batch-mate's failure sends the span again);
+it is the connection SQLAlchemy's own route reaches; the guard holds on it as through the
+session (a COMMIT sent through it is refused, and nothing of the call commits); outside a
+handler call there is no such transaction to give: ConfigurationError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from consumerdedup import (
+    AsyncDeduplicator,
+    ConfigurationError,
+    Deduplicator,
+    Message,
+    Outcome,
+    PermanentError,
+    driver_connection,
+)
+from tests.conftest import Database, database
+from tests.support.async_drivers import async_engine
+
+KINDS = [
+    ("sqlite", "sync"),
+    ("sqlite", "async"),
+    ("postgresql", "sync"),
+    ("postgresql", "async"),
+    ("postgresql", "asyncpg"),
+    ("mariadb", "sync"),
+    ("mariadb", "async"),
+]
+
+
+@pytest.fixture(params=KINDS, ids=["-".join(k) for k in KINDS])
+def kind(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Database, str]]:
+    dialect, how = request.param
+    for db in database(request, dialect, tmp_path):
+        yield db, how
+
+
+def _insert(db: Database, how: str, ledger: str) -> str:
+    """The INSERT of a ledger row in the driver's own parameter style."""
+    mark = {"sqlite": "?", "asyncpg": "$1"}.get(db.dialect if how != "asyncpg" else how, "%s")
+    return f"INSERT INTO {ledger} (account, amount, message_id) VALUES ('d', 1, {mark})"
+
+
+def _send_sync(raw: Any, sql: str, value: str) -> None:
+    cursor = raw.cursor()
+    try:
+        cursor.execute(sql, (value,))
+    finally:
+        cursor.close()
+
+
+async def _send_async(raw: Any, how: str, sql: str, value: str) -> None:
+    if how == "asyncpg":
+        await raw.execute(sql, value)
+        return
+    cursor = await raw.cursor() if not hasattr(raw, "pgconn") else raw.cursor()
+    try:
+        await cursor.execute(sql, (value,))
+    finally:
+        await cursor.close()
+
+
+def _run(db: Database, how: str, body: Any, messages: list[Message]) -> list[Any]:
+    """``body(raw, session, message)`` as a per-message handler's, through process_batch."""
+    if how == "sync":
+        dedup = Deduplicator(db.engine, consumer="driver", tables=db.tables)
+
+        @dedup.handler
+        def handle(message: Message, session: Any) -> None:
+            body(driver_connection(session), session, message)
+
+        return handle.process_batch(messages)
+
+    async def main() -> list[Any]:
+        engine = async_engine(db.url, "asyncpg") if how == "asyncpg" else db.async_engine()
+        dedup = AsyncDeduplicator(engine, consumer="driver", tables=db.tables)
+
+        @dedup.handler
+        async def handle(message: Message, session: Any) -> None:
+            await body(driver_connection(session), session, message)
+
+        try:
+            return await handle.process_batch(messages)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+def _rows(db: Database, ledger: str) -> list[str]:
+    with db.engine.connect() as conn:
+        return sorted(r[0] for r in conn.execute(text(f"SELECT message_id FROM {ledger}")))
+
+
+def _records(db: Database) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT message_id, outcome FROM {db.name('processed_events')}"))
+        return {r[0]: r[1] for r in rows}
+
+
+def _handler(db: Database, how: str, ledger: str, fail: str | None = None) -> Any:
+    """Writes the message's row through the driver's connection; raises for ``fail``
+    after writing it."""
+    sql = _insert(db, how, ledger)
+    if how == "sync":
+
+        def body(raw: Any, session: Any, message: Message) -> None:
+            _send_sync(raw, sql, message.id or "")
+            if message.id == fail:
+                raise PermanentError("after its write")
+
+        return body
+
+    async def body_async(raw: Any, session: Any, message: Message) -> None:
+        await _send_async(raw, how, sql, message.id or "")
+        if message.id == fail:
+            raise PermanentError("after its write")
+
+    return body_async
+
+
+def test_a_write_through_it_commits_with_the_record_or_not_at_all(
+    kind: tuple[Database, str],
+) -> None:
+    db, how = kind
+    ledger = db.create_ledger()
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(5)]
+    results = _run(db, how, _handler(db, how, ledger, fail="m2"), messages)
+    assert [r.outcome for r in results] == [
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+    ]
+    # m2's write went with its failure; its batch-mates' went once each, though the span
+    # they were first written in was rolled back when m2 failed and sent again.
+    assert _rows(db, ledger) == ["m0", "m1", "m3", "m4"]
+    assert _records(db) == {
+        "m0": "processed",
+        "m1": "processed",
+        "m2": "failed",
+        "m3": "processed",
+        "m4": "processed",
+    }
+    # A redelivery is answered from the records: nothing is written again.
+    again = _run(db, how, _handler(db, how, ledger), messages)
+    assert {r.outcome for r in again} <= {Outcome.DUPLICATE, Outcome.FAILED}
+    assert _rows(db, ledger) == ["m0", "m1", "m3", "m4"]
+
+
+def test_it_is_the_connection_sqlalchemy_reaches(kind: tuple[Database, str]) -> None:
+    db, how = kind
+    seen: list[bool] = []
+
+    def body(raw: Any, session: Any, message: Message) -> None:
+        seen.append(raw is session.connection().connection.driver_connection)
+
+    async def body_async(raw: Any, session: Any, message: Message) -> None:
+        route = await (await session.connection()).get_raw_connection()
+        seen.append(raw is route.driver_connection)
+
+    chosen = body if how == "sync" else body_async
+    results = _run(db, how, chosen, [Message(id="a", body=b"{}"), Message(id="b", body=b"{}")])
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.PROCESSED]
+    assert seen == [True, True]
+
+
+def test_a_commit_through_it_is_refused_and_nothing_of_the_call_commits(
+    kind: tuple[Database, str],
+) -> None:
+    db, how = kind
+    ledger = db.create_ledger()
+    sql = _insert(db, how, ledger)
+
+    def body(raw: Any, session: Any, message: Message) -> None:
+        _send_sync(raw, sql, message.id or "")
+        raw.commit()
+
+    async def body_async(raw: Any, session: Any, message: Message) -> None:
+        await _send_async(raw, how, sql, message.id or "")
+        if how == "asyncpg":
+            await raw.execute("COMMIT")
+        else:
+            await raw.commit()
+
+    chosen = body if how == "sync" else body_async
+    results = _run(db, how, chosen, [Message(id="c", body=b"{}")])
+    assert results[0].outcome is not Outcome.PROCESSED
+    assert _rows(db, ledger) == []
+    assert _records(db).get("c") in (None, "failed")
+
+
+def test_outside_a_handler_call_it_is_refused_naming_the_fix(db: Database) -> None:
+    from sqlalchemy.orm import Session
+
+    with Session(db.engine) as session:
+        session.execute(text("SELECT 1"))
+        with pytest.raises(ConfigurationError, match="inside a handler"):
+            driver_connection(session)
