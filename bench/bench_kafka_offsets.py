@@ -14,6 +14,10 @@ record) and a bulk handler (one ``executemany`` a chunk):
 - this mode, offsets only (``claim_ids=False``): each chunk's transaction holds the
   business rows, the FAILED records (none here) and the partition's next offset; no
   processed_events row per record;
+- this mode, offsets only, its handler on the driver: the same, the handler sending the plain
+  loop's statement through the transaction's psycopg connection
+  (``consumerdedup.driver_connection``) instead of the SQLAlchemy session: like with like,
+  the runner's own cost without SQLAlchemy's per statement;
 - this mode with claims (``claim_ids=True``, the default of the mode): the same plus the
   multi-row claim of the records' ids (a producer's retried copy is answered DUPLICATE);
 - today's runner (offsets in the broker, the claim in processed_events);
@@ -67,6 +71,8 @@ TODAY_EACH = "today's runner, per-message handler"
 PLAIN_EACH = "plain aiokafka + psycopg, execute each"
 PLAIN_DB_BULK = "plain loop + offset in the db, executemany"
 PLAIN_DB_EACH = "plain loop + offset in the db, execute each"
+DRIVER_BULK = "offsets in the db, bulk handler on the driver"
+DRIVER_EACH = "offsets in the db, per-message handler on the driver"
 
 
 class OffsetsBench(Bench):
@@ -107,20 +113,24 @@ class OffsetsBench(Bench):
 
 
 async def measure(args: argparse.Namespace, bench: OffsetsBench) -> list[Series]:
-    def runner(bulk: bool, offsets: str, claim_ids: bool, blocking: bool = False) -> Scenario:
+    def runner(
+        bulk: bool, offsets: str, claim_ids: bool, blocking: bool = False, driver: bool = False
+    ) -> Scenario:
         return lambda t, n: bench.offsets_runner(
-            t, n, bulk=bulk, offsets=offsets, claim_ids=claim_ids, blocking=blocking
+            t, n, bulk=bulk, offsets=offsets, claim_ids=claim_ids, blocking=blocking, driver=driver
         )
 
     scenarios: list[tuple[str, Scenario]] = [
         (DB_BULK, runner(True, "database", False)),
         (DB_BULK_BLOCKING, runner(True, "database", False, blocking=True)),
+        (DRIVER_BULK, runner(True, "database", False, driver=True)),
         (DB_CLAIMS_BULK, runner(True, "database", True)),
         (TODAY_BULK, runner(True, "broker", True)),
         (PLAIN_BULK, lambda t, n: bench.plain_loop(t, n, bulk=True)),
         (PLAIN_DB_BULK, lambda t, n: bench.plain_loop(t, n, bulk=True, offset_in_db=True)),
         (DB_EACH, runner(False, "database", False)),
         (DB_EACH_BLOCKING, runner(False, "database", False, blocking=True)),
+        (DRIVER_EACH, runner(False, "database", False, driver=True)),
         (DB_CLAIMS_EACH, runner(False, "database", True)),
         (TODAY_EACH, runner(False, "broker", True)),
         (PLAIN_EACH, lambda t, n: bench.plain_loop(t, n, bulk=False)),
@@ -167,10 +177,12 @@ async def main_async(args: argparse.Namespace) -> None:
             [
                 ("bulk, offsets only", by[DB_BULK], by[PLAIN_BULK]),
                 ("bulk, offsets only, blocking", by[DB_BULK_BLOCKING], by[PLAIN_BULK]),
+                ("bulk, offsets only, on the driver", by[DRIVER_BULK], by[PLAIN_BULK]),
                 ("bulk, with claims", by[DB_CLAIMS_BULK], by[PLAIN_BULK]),
                 ("bulk, today's runner", by[TODAY_BULK], by[PLAIN_BULK]),
                 ("per-message, offsets only", by[DB_EACH], by[PLAIN_EACH]),
                 ("per-message, offsets only, blocking", by[DB_EACH_BLOCKING], by[PLAIN_EACH]),
+                ("per-message, offsets only, on the driver", by[DRIVER_EACH], by[PLAIN_EACH]),
                 ("per-message, with claims", by[DB_CLAIMS_EACH], by[PLAIN_EACH]),
                 ("per-message, today's runner", by[TODAY_EACH], by[PLAIN_EACH]),
             ],
@@ -180,7 +192,9 @@ async def main_async(args: argparse.Namespace) -> None:
             [
                 ("bulk, offsets only", by[DB_BULK], by[PLAIN_DB_BULK]),
                 ("bulk, offsets only, blocking", by[DB_BULK_BLOCKING], by[PLAIN_DB_BULK]),
+                ("bulk, offsets only, on the driver", by[DRIVER_BULK], by[PLAIN_DB_BULK]),
                 ("per-message, offsets only", by[DB_EACH], by[PLAIN_DB_EACH]),
+                ("per-message, offsets only, on the driver", by[DRIVER_EACH], by[PLAIN_DB_EACH]),
                 ("per-message, offsets only, blocking", by[DB_EACH_BLOCKING], by[PLAIN_DB_EACH]),
             ],
         )
