@@ -40,6 +40,7 @@ from consumerdedup import App, Outbox, Tables
 SCHEMA = os.environ.get("PAYMENTS_SCHEMA", "payments_service")
 QUEUE = os.environ.get("PAYMENTS_QUEUE", "payments")
 ORDERS_TOPIC = os.environ.get("PAYMENTS_ORDERS_TOPIC", "orders")
+ORDERS_GROUP = os.environ.get("PAYMENTS_ORDERS_GROUP", "orders")  # the Kafka consumer group
 EVENTS_TOPIC = os.environ.get("PAYMENTS_EVENTS_TOPIC", "payment-events")
 IDEMPOTENCE = os.environ.get("PAYMENTS_KAFKA_IDEMPOTENCE", "1") != "0"
 KAFKA_GROUP = {
@@ -82,6 +83,7 @@ def settle_payment(payment: Payment, session: Session) -> None:
 @app.kafka(
     topics=[ORDERS_TOPIC],
     consumer="orders",
+    group_id=ORDERS_GROUP,
     bulk=True,
     batch_size=200,
     idempotent_producer=IDEMPOTENCE,  # its dead-letter producer

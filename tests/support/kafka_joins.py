@@ -1,6 +1,7 @@
 """Holding a group's join at the broker, for the tests of a runner stopped meanwhile: plain
 aiokafka members to freeze (a member alive but frozen, SIGSTOPped, holds every JoinGroup
-until its session ends), and a fixture that says when aiokafka sends a JoinGroup."""
+until its session ends), a fixture that says when aiokafka sends a JoinGroup, and a group
+left wedged the way Tansu 0.6 leaves one (``wedge``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
+from aiokafka.client import AIOKafkaClient, CoordinationType
+from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+from aiokafka.protocol.group import JoinGroupRequest, LeaveGroupRequest
 
 from tests.support.kafka_service import KafkaService
 
@@ -94,3 +98,36 @@ async def join_sent_fixture() -> AsyncIterator[asyncio.Event]:
     finally:
         coordinator.removeHandler(seen)
         coordinator.setLevel(level)
+
+
+MEMBER_ID_REQUIRED = 79
+"""KIP-394: a JoinGroup without a member id is answered with one, to join with."""
+
+
+async def wedge(kafka: KafkaService, group: str, topic: str) -> None:
+    """Leaves ``group`` (of ``topic``) the way Tansu 0.6 keeps a group whose leader left while
+    it formed: a member joins, is made its leader, and leaves before any SyncGroup. Tansu's
+    LeaveGroup in a forming group removes the member but keeps it as the leader (only a
+    leader still among the members is ever replaced), so from then on every member that
+    joins is a follower whose SyncGroup is answered REBALANCE_IN_PROGRESS, for ever: none
+    is given a partition. Workers stopped while their group forms leave this behind, for
+    the next test of the process (one broker each) that joins a group of the same name.
+    On Kafka: a member that joins and leaves, nothing more."""
+    client = AIOKafkaClient(bootstrap_servers=kafka.bootstrap)
+    await client.bootstrap()
+    try:
+        node = await client.coordinator_lookup(CoordinationType.GROUP, group)
+        metadata = ConsumerProtocolMemberMetadata(0, [topic], b"").encode()
+
+        def join(member_id: str) -> JoinGroupRequest:
+            protocols = [("roundrobin", metadata)]  # aiokafka's default assignor
+            return JoinGroupRequest(group, 60_000, 60_000, member_id, None, "consumer", protocols)
+
+        asked = await client.send(node, join(""))
+        assert asked.error_code == MEMBER_ID_REQUIRED, asked
+        joined = await client.send(node, join(asked.member_id))
+        assert joined.error_code == 0 and joined.leader_id == joined.member_id, joined
+        left = await client.send(node, LeaveGroupRequest(group, joined.member_id))
+        assert left.error_code == 0, left
+    finally:
+        await client.close()

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import create_engine, text
 
+from tests.support.kafka_joins import wedge
 from tests.support.kafka_service import KafkaService, Topics, kafka_fixture, topics_fixture  # noqa: F401
 from tests.support.rabbitmq_service import Broker, amqp_url_fixture, rabbit_fixture  # noqa: F401
 from tests.support.run_command import ROOT, Run, metric, wait_for
@@ -33,12 +34,16 @@ class Service:
         self, postgres_url: str, amqp_url: str, kafka: KafkaService, names: dict[str, str]
     ):
         self.schema = f"pay_{uuid.uuid4().hex[:10]}"
+        self.group = f"orders-{self.schema}"
+        """The orders part's Kafka group, this test's own: every test of a process shares one
+        broker, and Tansu 0.6 can leave a group wedged for the next test that joins it."""
         self.url = postgres_url
         self.env = {
             "CONSUMERDEDUP_DATABASE_URL": postgres_url,
             "CONSUMERDEDUP_RABBITMQ_URL": amqp_url,
             "CONSUMERDEDUP_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap,
             "PAYMENTS_SCHEMA": self.schema,
+            "PAYMENTS_ORDERS_GROUP": self.group,
             "PAYMENTS_KAFKA_IDEMPOTENCE": "1" if kafka.idempotence else "0",
             "PAYMENTS_KAFKA_SESSION_TIMEOUT_MS": str(
                 kafka.group_options.get("session_timeout_ms", 10000)
@@ -198,7 +203,7 @@ async def test_sigterm_mid_stream_then_a_restart_decides_each_message_once(
     assert seen[("orders", "processed")] == ORDERS
     assert seen[("orders", "duplicate")] >= COPIES
     assert seen[("payments", "failed")] == seen[("orders", "failed")] == 0
-    assert await topics.lag("orders", service.env["PAYMENTS_ORDERS_TOPIC"]) == 0
+    assert await topics.lag(service.group, service.env["PAYMENTS_ORDERS_TOPIC"]) == 0
     events = await topics.records(service.env["PAYMENTS_EVENTS_TOPIC"])
     assert len({dict(r.headers)["event_id"] for r in events}) == PAYMENTS  # relayed, at least once
 
@@ -232,4 +237,22 @@ async def test_a_child_killed_mid_stream_is_restarted_and_nothing_is_lost_or_dou
     assert service.rows("payments", "payment_id") == (PAYMENTS, PAYMENTS)
     assert service.rows("order_lines", "order_id") == (ORDERS, ORDERS)
     assert rabbit.held(service.env["PAYMENTS_QUEUE"]) == 0
-    assert await topics.lag("orders", service.env["PAYMENTS_ORDERS_TOPIC"]) == 0
+    assert await topics.lag(service.group, service.env["PAYMENTS_ORDERS_TOPIC"]) == 0
+
+
+async def test_a_group_an_earlier_test_left_wedged_on_the_broker_does_not_hold_the_service(
+    service: Service, kafka: KafkaService
+) -> None:
+    # The tests of a process share one broker. The orders part used to join the group
+    # "orders" in every test; on Tansu 0.6 workers stopped while it formed could leave it
+    # wedged, and the next test's workers were never given a partition: "not ready" after
+    # 180 s, both workers' orders part ticking (a CI run of the MariaDB twin). Each test's
+    # service now joins a group of its own.
+    await wedge(kafka, "orders", service.env["PAYMENTS_ORDERS_TOPIC"])
+    run = service.start("--workers", "2", "--health-port", "0")
+    try:
+        ready(run)
+        run.signal(signal.SIGTERM)
+        assert run.wait(60) == 0, run.stderr[-3000:]
+    finally:
+        run.stop()

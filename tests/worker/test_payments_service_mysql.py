@@ -85,6 +85,6 @@ async def test_the_payments_service_on_mariadb_decides_each_message_once_through
     # The copies published again were each answered DUPLICATE by one worker or the other.
     assert seen[("payments", "duplicate")] >= 1 and seen[("orders", "duplicate")] >= 1
     assert rabbit.held(service.env["PAYMENTS_QUEUE"]) == 0
-    assert await topics.lag("orders", service.env["PAYMENTS_ORDERS_TOPIC"]) == 0
+    assert await topics.lag(service.group, service.env["PAYMENTS_ORDERS_TOPIC"]) == 0
     events = await topics.records(service.env["PAYMENTS_EVENTS_TOPIC"])
     assert len({dict(r.headers)["event_id"] for r in events}) == PAYMENTS  # relayed, at least once
