@@ -203,8 +203,7 @@ class AsyncDedupHandler:
                 return await self._call(message, session)
             case Commit():
                 await before_commit.flush_async(session)  # still guarded: refused if it ended
-                end_calls(session.sync_session)
-                require_open(session.sync_session)
+                require_open(session.sync_session, end_calls(session.sync_session))
                 with verified_commit(session.sync_session):  # the server's answer
                     return await session.commit()
             case Rollback():

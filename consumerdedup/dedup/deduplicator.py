@@ -197,8 +197,7 @@ class DedupHandler:
                 return self._call(message, session)
             case Commit():
                 before_commit.flush(session)  # still guarded: refused if it ended
-                end_calls(session)
-                require_open(session)
+                require_open(session, end_calls(session))
                 with verified_commit(session):  # the server's answer, not the driver's word
                     return session.commit()
             case Rollback():

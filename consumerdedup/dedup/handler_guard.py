@@ -106,11 +106,16 @@ def ours_next(session: Session) -> None:
         call._path.ours = True
 
 
-def end_calls(session: Session) -> None:
-    """The attempt commits, rolls back or is over: lift its handler calls' guard."""
+def end_calls(session: Session) -> str | None:
+    """The attempt commits, rolls back or is over: lift its handler calls' guard. Sends back
+    why the transaction ended under it since (None: it did not): before a COMMIT, a thread
+    a handler left running may have rolled back on the raw connection after the last call,
+    and SQLite then begins a new transaction by itself, which looks open."""
     call: HandlerCall | None = session.info.pop(_ATTEMPT, None)
-    if call is not None:
-        call.lift()
+    if call is None:
+        return None
+    call.lift()
+    return call.ended
 
 
 class HandlerCall:
@@ -496,6 +501,11 @@ class HandlerCall:
                 "other than the pipeline's while its transaction is open (one a handler left "
                 "running?): refused; only the pipeline ends its transaction"
             )
+
+    def ended_below(self, how: str) -> None:
+        """SQLite's raw connection ended the transaction, or began a new one (raw_commit):
+        whatever runs next runs outside the pipeline's transaction."""
+        self.ended = self.ended or f"the transaction was ended inside the handler ({how})"
 
     def refuse_raw_end(self, word: str) -> CommitInHandler:
         """The raw DB-API connection's ``word``() was called (raw_commit): the error to raise."""

@@ -73,6 +73,10 @@ class StatementWatch(Protocol):
         """Before the raw ``rollback()`` runs: raise if a thread or task other than the
         pipeline's calls it (one the handler left running)."""
 
+    def ended_below(self, how: str) -> None:
+        """The transaction ended where no statement check sees it (``how``: SQLite's raw
+        connection rolled back, or began anew): nothing of the call may commit."""
+
 
 _WATCH = "_consumerdedup_watch"
 """Set on a psycopg connection while a handler runs: its guarded cursors check only then
@@ -92,7 +96,7 @@ def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], Non
         return _watch_psycopg(raw, watch, coroutine), True
     refuse = watch.refuse_raw_end
     if isinstance(raw, sqlite3.Connection):
-        return _deny_on_sqlite(raw, refuse), False
+        return _deny_on_sqlite(raw, watch), False
     for word in ("commit",):
         try:
             setattr(
@@ -106,7 +110,7 @@ def refuse_raw_commit(raw: Any, watch: StatementWatch) -> tuple[Callable[[], Non
                 "a handler could commit apart from the dedup record; use the DB-API module "
                 "its dialect loads itself"
             ) from exc
-    lift = _refuse_sql(raw, refuse)
+    lift = _refuse_sql(raw, watch)
 
     def unlock() -> None:
         vars(raw).pop("commit", None)
@@ -224,11 +228,21 @@ async def _refuse_async(watch: StatementWatch, *_args: Any, **_kwargs: Any) -> N
     raise watch.refuse_raw_end("commit")
 
 
-def _deny_on_sqlite(raw: sqlite3.Connection, refuse: Refuse) -> Callable[[], None]:
+def _deny_on_sqlite(raw: sqlite3.Connection, watch: StatementWatch) -> Callable[[], None]:
+    """sqlite3's authorizer, which sees every statement as it is prepared (the raw
+    connection's own, its ``commit()`` and ``rollback()`` too, but not a cached statement
+    run again): COMMIT denied; a ROLLBACK, or a BEGIN (sqlite3 begins by itself at the next
+    write once a ROLLBACK, or an ``OR ROLLBACK`` conflict, ended the transaction), tells
+    ``watch`` that the pipeline's transaction is over, so that what follows in the new one
+    never commits as if it were."""
+
     def authorize(action: int, *args: Any) -> int:
-        if action == sqlite3.SQLITE_TRANSACTION and str(args[0]).upper() == "COMMIT":
-            refuse("commit")
-            return sqlite3.SQLITE_DENY
+        if action == sqlite3.SQLITE_TRANSACTION:
+            word = str(args[0]).upper()
+            if word == "COMMIT":
+                watch.refuse_raw_end("commit")
+                return sqlite3.SQLITE_DENY
+            watch.ended_below(f"a {word} on the raw connection")
         return sqlite3.SQLITE_OK
 
     raw.set_authorizer(authorize)
@@ -288,17 +302,17 @@ def _refuse_mysql(raw: Any, refuse: Refuse) -> None:
             setattr(raw, word, _refusal(refuse, word, coroutine_method))
 
 
-def _refuse_sql(raw: Any, refuse: Refuse) -> Callable[[], None]:
+def _refuse_sql(raw: Any, watch: StatementWatch) -> Callable[[], None]:
     """aiosqlite's own way to send SQL (its thread's sqlite3 connection): COMMIT denied for
     the call; PyMySQL's and aiomysql's (``_refuse_mysql``). (psycopg's cursors are watched
     by ``_watch_psycopg``.)"""
     if type(raw).__module__.split(".")[0] in ("pymysql", "aiomysql"):
-        _refuse_mysql(raw, refuse)
+        _refuse_mysql(raw, watch.refuse_raw_end)
         return lambda: None
     inner = getattr(raw, "_conn", None)
     if isinstance(inner, sqlite3.Connection):
         try:
-            return _deny_on_sqlite(inner, refuse)
+            return _deny_on_sqlite(inner, watch)
         except sqlite3.ProgrammingError as exc:  # made with check_same_thread=True
             raise ConfigurationError(
                 f"aiosqlite: a COMMIT sent through the raw connection cannot be refused while "

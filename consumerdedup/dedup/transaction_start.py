@@ -77,12 +77,19 @@ def begin_checked(session: Session, what: str, pipelined: bool = False) -> None:
     dialects.require_transaction(connection, what)
 
 
-def require_open(session: Session) -> None:
+def require_open(session: Session, ended: str | None = None) -> None:
     """Right before our COMMIT: the driver still says the transaction is open. A COMMIT
     with none open commits nothing and raises nothing (psycopg sends none; in autocommit
     PostgreSQL only warns), and every message would be reported done with neither its
     effects nor its record: a rollback by something the pipeline cannot see (a thread the
-    handler left running, on the raw connection) since the last handler call returned."""
+    handler left running, on the raw connection) since the last handler call returned.
+    ``ended``: the handler guard saw it end (end_calls), though the driver may say open (a
+    transaction SQLite began by itself after it)."""
+    if ended is not None:
+        raise TransactionBroken(
+            f"{ended}, after the last handler call returned (a thread or callback of a "
+            "handler still using the raw connection?): nothing of it is reported done"
+        )
     state = driver_state(session.connection()) if session.in_transaction() else ENDED
     if state != OPEN:
         raise TransactionBroken(

@@ -218,26 +218,12 @@ def act(raw: Any, db: Database, ledger: str, what: str) -> None:
         cursor.close()
 
 
-SQLITE_LOSS = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SQLite: a ROLLBACK through the driver's connection (rollback(), 'ROLLBACK', an "
-        "INSERT OR ROLLBACK conflict) swallowed, then one more write (sqlite3 opens a new "
-        "transaction): the guard sees a transaction open and takes it for the call's; the "
-        "batch ends PROCESSED x3 with no processed_events rows, m1/m2 lost, m3 committed "
-        "and applied again on redelivery"
-    ),
-)
-SQLITE_ROLLBACKS = {"rollback()", "ROLLBACK", "or-rollback"}
-
-
 def _hostile_cases() -> list[Any]:
     out = []
     for dialect, whats in HOSTILE.items():
         kind = "mariadb" if dialect == "mysql" else dialect
         for w in whats:
-            marks = [SQLITE_LOSS] if kind == "sqlite" and w in SQLITE_ROLLBACKS else []
-            out.append(pytest.param(kind, w, id=f"{kind}-{w}", marks=marks))
+            out.append(pytest.param(kind, w, id=f"{kind}-{w}"))
     return out
 
 
@@ -342,8 +328,7 @@ def _async_cases() -> list[Any]:
     out = []
     for how, whats in ASYNC_HOSTILE.items():
         for w in whats:
-            marks = [SQLITE_LOSS] if how == "sqlite" and w in SQLITE_ROLLBACKS else []
-            out.append(pytest.param(how, w, id=f"{how}-{w}", marks=marks))
+            out.append(pytest.param(how, w, id=f"{how}-{w}"))
     return out
 
 

@@ -11,12 +11,14 @@ handler call there is no such transaction to give: ConfigurationError.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from consumerdedup import (
     AsyncDeduplicator,
@@ -205,9 +207,70 @@ def test_a_commit_through_it_is_refused_and_nothing_of_the_call_commits(
 
 
 def test_outside_a_handler_call_it_is_refused_naming_the_fix(db: Database) -> None:
-    from sqlalchemy.orm import Session
 
     with Session(db.engine) as session:
         session.execute(text("SELECT 1"))
         with pytest.raises(ConfigurationError, match="inside a handler"):
             driver_connection(session)
+
+
+@pytest.mark.parametrize("where", ["records", "next-call"])
+def test_sqlite_a_late_raw_rollback_while_the_guard_is_on_commits_nothing(
+    sqlite_db: Database, where: str
+) -> None:
+    """A thread the first handler left running rolls the raw sqlite3 connection back after
+    that call returned, then writes once more: sqlite3 begins a new transaction by itself,
+    which looks open to every check after it. It acts while the pipeline writes its records
+    (check-first), or as the next message's call begins. Before, the COMMIT took the new
+    transaction and reported both messages done, the first without its effects. Now the
+    guard's authorizer sees the ROLLBACK and the BEGIN: nothing of it commits as theirs.
+    (Not covered on SQLite: a thread that acts in the instant between the guard's lift and
+    the COMMIT; on psycopg the COMMIT's answer catches that too.)"""
+    from sqlalchemy import event
+
+    db = sqlite_db
+    ledger = db.create_ledger()
+    sql = _insert(db, "sync", ledger)
+    dedup = Deduplicator(db.engine, consumer="driver", tables=db.tables)
+    held: dict[str, Any] = {}
+    fired: list[bool] = []
+
+    def late_thread(*_args: Any) -> None:
+        if fired or "raw" not in held:
+            return
+        fired.append(True)  # once: in the first attempt only
+
+        def act() -> None:
+            raw = held["raw"]
+            raw.rollback()
+            _send_sync(raw, sql, "late")
+
+        thread = threading.Thread(target=act)
+        thread.start()
+        thread.join()
+
+    @dedup.handler(claim_first=where != "records")
+    def handle(message: Message, session: Any) -> None:
+        raw = driver_connection(session)
+        if message.id == "m2" and where == "next-call":
+            late_thread()
+        _send_sync(raw, sql, message.id or "")
+        held.setdefault("raw", raw)
+
+    if where == "records":  # our first statement after the calls: the records
+        event.listen(db.engine, "before_cursor_execute", late_thread)
+    try:
+        results = handle.process_batch([Message(id="m1", body=b"{}"), Message(id="m2", body=b"{}")])
+    finally:
+        if where == "records":
+            event.remove(db.engine, "before_cursor_execute", late_thread)
+    assert fired, "the late thread never ran"
+    rows, records = _rows(db, ledger), _records(db)
+    for result in results:
+        key = result.message.id or ""
+        if result.outcome is Outcome.PROCESSED:  # done: its effects once, its record
+            assert rows.count(key) == 1, (key, rows)
+            assert records.get(key) == "processed"
+        else:  # not done: nothing of it, and a redelivery applies it
+            assert rows.count(key) == 0, (key, rows)
+    assert any(r.outcome is Outcome.PROCESSED for r in results) or not records
