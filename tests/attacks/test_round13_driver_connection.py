@@ -37,6 +37,20 @@ def msgs(*ids: str) -> list[Message]:
     return [Message(id=i, body=b"x") for i in ids]
 
 
+def either_handler(dedup: Any, shape: str, one: Any) -> Any:
+    """``one(message, session)`` as a per-message handler ("handler"), or called for each
+    message of a bulk handler's call ("bulk")."""
+    if shape == "handler":
+        return dedup.handler(one)
+
+    @dedup.bulk_handler
+    def handle(messages: list[Message], session: Any) -> None:
+        for message in messages:
+            one(message, session)
+
+    return handle
+
+
 def ledger_ids(db: Database, ledger: str) -> list[str]:
     with db.engine.connect() as conn:
         return sorted(r[0] for r in conn.execute(text(f"SELECT message_id FROM {ledger}")))
@@ -111,14 +125,7 @@ def test_mariadb_deadlock_swallowed_through_the_raw_cursor(mariadb: Database, ki
             with contextlib.suppress(Exception):  # swallowed
                 raw_insert(raw, mariadb, ledger, "m2-after")
 
-    if kind == "handler":
-        handle: Any = dedup.handler(one)
-    else:
-
-        @dedup.bulk_handler
-        def handle(messages: list[Message], session: Any) -> None:
-            for message in messages:
-                one(message, session)
+    handle = either_handler(dedup, kind, one)
 
     results = handle.process_batch(msgs("m1", "m2", "m3"))
     deadlocker.join()
@@ -251,14 +258,7 @@ def _hostile_sync(db: Database, what: str, shape: str) -> None:
             with contextlib.suppress(Exception):  # swallowed
                 raw_insert(raw, db, ledger, "m2-after")
 
-    if shape == "handler":
-        handle: Any = dedup.handler(one)
-    else:
-
-        @dedup.bulk_handler
-        def handle(messages: list[Message], session: Any) -> None:
-            for message in messages:
-                one(message, session)
+    handle = either_handler(dedup, shape, one)
 
     results = handle.process_batch(msgs("m1", "m2", "m3"))
     got = ledger_ids(db, ledger)
