@@ -46,7 +46,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,6 @@ class Pipeline:
         self.cfg = cfg
         self.rng = rng
         self.t0 = time.monotonic()
-        raw = cfg.to_json()
         layout = [
             ("producer", PRODUCERS, (10, 170)),
             ("rabbit-relay", 2, (30, 570)),
@@ -159,17 +158,30 @@ class Pipeline:
             ("kafka-relay", 1, (30, 570)),
             ("final", 2, (30, 570)),
         ]
+        plans = [
+            (role, index, _thresholds(rng, *span, KILLS))
+            for role, count, span in layout
+            for index in range(count)
+        ]
+        inside = [[rng.random() < IN_TRANSACTION.get(role, 0.5) for _ in range(KILLS)]
+                  for role, _, _ in plans]  # fmt: skip
+        # A producer holds at each of its thresholds until killed there (chaos_roles.produce).
+        holds = [
+            list(zip(marks, flags, strict=True))
+            for (role, _, marks), flags in zip(plans, inside, strict=True)
+            if role == "producer"
+        ]
+        raw = replace(cfg, producer_holds=holds).to_json()
         self.instances = [
             Instance(
                 role,
                 index,
                 [sys.executable, "-m", "tests.support.chaos_roles", role, str(index), raw],
                 logs / f"{role}-{index}.log",
-                _thresholds(rng, *span, KILLS),
-                [rng.random() < IN_TRANSACTION.get(role, 0.5) for _ in range(KILLS)],
+                list(marks),
+                flags,
             )
-            for role, count, span in layout
-            for index in range(count)
+            for (role, index, marks), flags in zip(plans, inside, strict=True)
         ]
         self.events: list[str] = []
 

@@ -85,6 +85,12 @@ class Chaos:
     offsets: str = "broker"
     """The Kafka consumers' ``KafkaConfig.offsets``: "database" keeps them in
     consumer_offsets, in each chunk's transaction (issue 36)."""
+    producer_holds: list[list[tuple[int, bool]]] = field(default_factory=list)
+    """Per producer, the test's kill thresholds (its count of committed events) and whether
+    that kill is to come inside a transaction: the producer holds there until it is killed
+    (at most HOLD_LIMIT seconds), so a producer never finishes with kills owed to it. Its
+    200 events otherwise take about as long as the waits the test keeps after each restart
+    and for a transaction, and a fast producer outran them (chaos incomplete)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -171,6 +177,11 @@ def create_business_tables(engine: Engine, schema: str) -> None:
             )
 
 
+HOLD_LIMIT = 30.0
+"""Seconds a producer holds at a kill threshold (the test kills it well before; past this,
+as when the test's chaos time is over, it goes on)."""
+
+
 def produce(cfg: Chaos, index: int) -> None:
     """Commit events p{index}-000, p{index}-001...: a business row and an outbox event
     in one transaction each, resuming after the last one committed by an earlier incarnation.
@@ -196,6 +207,9 @@ def produce(cfg: Chaos, index: int) -> None:
         ).scalar_one()
         conn.commit()
         pace = random.Random(f"{cfg.seed}:pace:{index}:{last}")
+        # The kills still owed: those past the count of events committed so far.
+        holds = dict(cfg.producer_holds[index]) if index < len(cfg.producer_holds) else {}
+        holds = {at: inside for at, inside in holds.items() if at > last + 1}
         for n in range(last + 1, cfg.events):
             name, key = event_name(index, n), event_key(cfg.seed, index, n, cfg.keys)
             body = json.dumps({"id": name, "key": key}).encode()
@@ -205,6 +219,10 @@ def produce(cfg: Chaos, index: int) -> None:
                     {"p": index, "n": n, "i": name, "k": key},
                 )
                 outbox.add(session, f"{cfg.exchange}/", body, key=key)
+                if holds.get(n) is True:  # n events committed: killed in this transaction
+                    time.sleep(HOLD_LIMIT)
+            if holds.get(n + 1) is False:  # n + 1 committed: killed between transactions
+                time.sleep(HOLD_LIMIT)
             if pace.random() < 1 / cfg.burst:
                 time.sleep(pace.expovariate(1 / cfg.pause))
     engine.dispose()
