@@ -231,18 +231,23 @@ async def _refuse_async(watch: StatementWatch, *_args: Any, **_kwargs: Any) -> N
 def _deny_on_sqlite(raw: sqlite3.Connection, watch: StatementWatch) -> Callable[[], None]:
     """sqlite3's authorizer, which sees every statement as it is prepared (the raw
     connection's own, its ``commit()`` and ``rollback()`` too, but not a cached statement
-    run again): COMMIT denied; a ROLLBACK, or a BEGIN (sqlite3 begins by itself at the next
-    write once a ROLLBACK, or an ``OR ROLLBACK`` conflict, ended the transaction), tells
-    ``watch`` that the pipeline's transaction is over, so that what follows in the new one
-    never commits as if it were."""
+    run again). While the guard is on, the pipeline's transaction is the only one a
+    statement may run in: COMMIT is denied; a ROLLBACK tells ``watch`` that it is over;
+    and once it is over, however it ended (a ROLLBACK, or one no statement names: an
+    ``OR ROLLBACK`` conflict, a trigger's ``RAISE(ROLLBACK)``), every statement is denied
+    and ``watch`` told: the BEGIN sqlite3 sends by itself before a write, a SAVEPOINT that
+    would begin a transaction, a write it does not take for one (``WITH ... INSERT``) that
+    would commit alone in autocommit."""
 
     def authorize(action: int, *args: Any) -> int:
+        if action == sqlite3.SQLITE_TRANSACTION and str(args[0]).upper() == "COMMIT":
+            watch.refuse_raw_end("commit")
+            return sqlite3.SQLITE_DENY
+        if not raw.in_transaction:
+            watch.ended_below("a statement after the transaction ended, refused")
+            return sqlite3.SQLITE_DENY
         if action == sqlite3.SQLITE_TRANSACTION:
-            word = str(args[0]).upper()
-            if word == "COMMIT":
-                watch.refuse_raw_end("commit")
-                return sqlite3.SQLITE_DENY
-            watch.ended_below(f"a {word} on the raw connection")
+            watch.ended_below(f"a {str(args[0]).upper()} on the raw connection")
         return sqlite3.SQLITE_OK
 
     raw.set_authorizer(authorize)
