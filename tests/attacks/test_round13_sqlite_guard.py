@@ -44,6 +44,20 @@ def msgs(*ids: str) -> list[Message]:
     return [Message(id=i, body=b"x") for i in ids]
 
 
+def shaped(dedup: Any, shape: str, one: Any) -> Any:
+    """``one(message, session)`` as a per-message handler, claim-first or check-first, or
+    called for each message of a bulk handler's call ("bulk")."""
+    if shape != "bulk":
+        return dedup.handler(claim_first=shape == "claim-first")(one)
+
+    @dedup.bulk_handler
+    def handle(messages: list[Message], session: Any) -> None:
+        for message in messages:
+            one(message, session)
+
+    return handle
+
+
 def ledger_ids(engine: Engine, ledger: str) -> list[str]:
     with engine.connect() as conn:
         return sorted(r[0] for r in conn.execute(text(f"SELECT message_id FROM {ledger}")))
@@ -147,14 +161,7 @@ def test_legitimate_handlers_still_process(sqlite_db: Database, body: str, shape
     make_ledger(engine)
     dedup = Deduplicator(engine, consumer="c", tables=sqlite_db.tables, retry=FAST_RETRY)
     one = LEGIT[body]
-    if shape != "bulk":
-        handle = dedup.handler(claim_first=shape == "claim-first")(one)
-    else:
-
-        @dedup.bulk_handler
-        def handle(messages: list[Message], session: Any) -> None:
-            for message in messages:
-                one(message, session)
+    handle = shaped(dedup, shape, one)
 
     results = handle.process_batch(msgs("m1", "m2", "m3"))
     exactly_once(engine, "ledger", results)
@@ -365,14 +372,7 @@ def test_hostile_acts_swallowed_mid_batch(sqlite_db: Database, shape: str, what:
             with contextlib.suppress(Exception):
                 insert(session, "m2-after")
 
-    if shape != "bulk":
-        handle = dedup.handler(claim_first=shape == "claim-first")(one)
-    else:
-
-        @dedup.bulk_handler
-        def handle(messages: list[Message], session: Any) -> None:
-            for message in messages:
-                one(message, session)
+    handle = shaped(dedup, shape, one)
 
     results = handle.process_batch(msgs("m1", "m2", "m3"))
     assert "x" not in ledger_ids(engine, "ledger")
@@ -430,14 +430,7 @@ def test_or_rollback_then_a_cte_write_commits_alone(sqlite_db: Database, shape: 
         else:
             cte_write(raw, message.id or "")
 
-    if shape != "bulk":
-        handle = dedup.handler(claim_first=shape == "claim-first")(one)
-    else:
-
-        @dedup.bulk_handler
-        def handle(messages: list[Message], session: Any) -> None:
-            for message in messages:
-                one(message, session)
+    handle = shaped(dedup, shape, one)
 
     results = handle.process_batch(msgs("m1", "m2", "m3"))
     assert results[1].outcome is not Outcome.PROCESSED
@@ -468,14 +461,7 @@ def test_unseen_rollback_then_a_savepoint_begins_anew(
     make_ledger(engine)
     dedup = Deduplicator(engine, consumer="c", tables=sqlite_db.tables, retry=FAST_RETRY)
     one = savepoint_begun(how)
-    if shape != "bulk":
-        handle = dedup.handler(claim_first=shape == "claim-first")(one)
-    else:
-
-        @dedup.bulk_handler
-        def handle(messages: list[Message], session: Any) -> None:
-            for message in messages:
-                one(message, session)
+    handle = shaped(dedup, shape, one)
 
     results = handle.process_batch(msgs("m1", "m2", "m3"))
     again = handle.process_batch(msgs("m1", "m2", "m3"))
