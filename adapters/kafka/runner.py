@@ -34,12 +34,12 @@ def _topic(name: object, option: str) -> str:
     return matching(name, option, CONSUMED_TOPIC, CONSUMED_RULE)
 
 
-_DEADLINE_CHECK = 0.5
 T = TypeVar("T")
 
-_HELD_CHECK = 0.1
-"""How often a start or a fetch the broker holds looks at the stop flag (past its timeout)."""
+_DEADLINE_CHECK = 0.5
 """How often run() looks for a deadline given to stop() while nothing else wakes it."""
+_HELD_CHECK = 0.1
+"""How often a start or a fetch the broker holds looks at the stop flag."""
 DEAD_LETTER_TRIES = 3
 """Offsets in the database: sends of a chunk's dead letters before one still unsent is
 logged at ERROR with its coordinates (the offset moved past it with the chunk's commit)."""

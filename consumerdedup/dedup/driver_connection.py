@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
 from ..errors import ConfigurationError
+from ..options import refuse
 from .guard_listeners import CALL
 
 
@@ -28,6 +32,10 @@ def driver_connection(session: Any) -> Any:
     there commits with the message's record, or not at all. Outside a handler call the
     session has no such transaction: ConfigurationError.
     """
+    if not isinstance(session, Session | AsyncSession):
+        raise refuse(
+            "driver_connection(session)", session, "the Session or AsyncSession a handler was given"
+        )
     call = session.info.get(CALL)
     if call is None:
         raise ConfigurationError(

@@ -11,6 +11,7 @@ handler call there is no such transaction to give: ConfigurationError.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -234,6 +235,7 @@ def test_sqlite_a_late_raw_rollback_while_the_guard_is_on_commits_nothing(
     dedup = Deduplicator(db.engine, consumer="driver", tables=db.tables)
     held: dict[str, Any] = {}
     fired: list[bool] = []
+    refused: list[str] = []
 
     def late_thread(*_args: Any) -> None:
         if fired or "raw" not in held:
@@ -243,7 +245,10 @@ def test_sqlite_a_late_raw_rollback_while_the_guard_is_on_commits_nothing(
         def act() -> None:
             raw = held["raw"]
             raw.rollback()
-            _send_sync(raw, sql, "late")
+            try:  # outside the pipeline's transaction now: the guard's authorizer denies it
+                _send_sync(raw, sql, "late")
+            except sqlite3.DatabaseError as error:
+                refused.append(str(error))
 
         thread = threading.Thread(target=act)
         thread.start()
@@ -265,7 +270,9 @@ def test_sqlite_a_late_raw_rollback_while_the_guard_is_on_commits_nothing(
         if where == "records":
             event.remove(db.engine, "before_cursor_execute", late_thread)
     assert fired, "the late thread never ran"
+    assert refused == ["not authorized"]
     rows, records = _rows(db, ledger), _records(db)
+    assert "late" not in rows
     for result in results:
         key = result.message.id or ""
         if result.outcome is Outcome.PROCESSED:  # done: its effects once, its record
@@ -274,3 +281,11 @@ def test_sqlite_a_late_raw_rollback_while_the_guard_is_on_commits_nothing(
         else:  # not done: nothing of it, and a redelivery applies it
             assert rows.count(key) == 0, (key, rows)
     assert any(r.outcome is Outcome.PROCESSED for r in results) or not records
+
+
+@pytest.mark.parametrize(
+    "given", ["session", None, 1, True, {"info": {}}, ["session"], object()], ids=repr
+)
+def test_something_other_than_a_session_is_refused_naming_the_argument(given: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"driver_connection\(session\): expected"):
+        driver_connection(given)
