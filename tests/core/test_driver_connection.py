@@ -284,7 +284,9 @@ def test_sqlite_a_late_raw_rollback_while_the_guard_is_on_commits_nothing(
 
 
 @pytest.mark.parametrize(
-    "given", ["session", None, 1, True, {"info": {}}, ["session"], object()], ids=repr
+    "given",
+    ["session", None, 1, True, {"info": {}}, ["session"], object()],
+    ids=lambda given: type(given).__name__,  # stable across xdist workers (no address)
 )
 def test_something_other_than_a_session_is_refused_naming_the_argument(given: object) -> None:
     with pytest.raises(ConfigurationError, match=r"driver_connection\(session\): expected"):
