@@ -136,6 +136,9 @@ async def measure(args: argparse.Namespace, bench: OffsetsBench) -> list[Series]
         (PLAIN_EACH, lambda t, n: bench.plain_loop(t, n, bulk=False)),
         (PLAIN_DB_EACH, lambda t, n: bench.plain_loop(t, n, bulk=False, offset_in_db=True)),
     ]
+    if args.handlers != "both":  # the other half's scenarios are left out of the run
+        bulk_names = {name for name, _ in scenarios[:7]}
+        scenarios = [(n, s) for n, s in scenarios if (n in bulk_names) == (args.handlers == "bulk")]
     rates = {name: Series(name) for name, _ in scenarios}
     cpu = {name: Series(name, unit="us/rec", higher_is_better=False) for name, _ in scenarios}
     for round_ in range(args.rounds):
@@ -169,40 +172,59 @@ async def main_async(args: argparse.Namespace) -> None:
         collector.freeze_once()
         results = await measure(args, bench)
         by = {s.name: s for s in results}
-        print_table("Kafka offsets in the database", results, by[PLAIN_BULK], "vs plain bulk")
+        base = PLAIN_BULK if PLAIN_BULK in by else PLAIN_EACH
+        print_table("Kafka offsets in the database", results, by[base], f"vs {base}")
         costs = {s.name: s for s in bench.cpu}
-        print_table("CPU of this process per record", bench.cpu, costs[PLAIN_BULK], "plain/it")
+        print_table("CPU of this process per record", bench.cpu, costs[base], "plain/it")
+
+        def pairs(rows: list[tuple[str, str, str]]) -> list[tuple[str, Series, Series]]:
+            return [(label, by[it], by[twin]) for label, it, twin in rows if it in by]
+
         print_pairs(
             "Like with like (this mode / the plain loop, same run; target >= 0.9)",
-            [
-                ("bulk, offsets only", by[DB_BULK], by[PLAIN_BULK]),
-                ("bulk, offsets only, blocking", by[DB_BULK_BLOCKING], by[PLAIN_BULK]),
-                ("bulk, offsets only, on the driver", by[DRIVER_BULK], by[PLAIN_BULK]),
-                ("bulk, with claims", by[DB_CLAIMS_BULK], by[PLAIN_BULK]),
-                ("bulk, today's runner", by[TODAY_BULK], by[PLAIN_BULK]),
-                ("per-message, offsets only", by[DB_EACH], by[PLAIN_EACH]),
-                ("per-message, offsets only, blocking", by[DB_EACH_BLOCKING], by[PLAIN_EACH]),
-                ("per-message, offsets only, on the driver", by[DRIVER_EACH], by[PLAIN_EACH]),
-                ("per-message, with claims", by[DB_CLAIMS_EACH], by[PLAIN_EACH]),
-                ("per-message, today's runner", by[TODAY_EACH], by[PLAIN_EACH]),
-            ],
+            pairs(
+                [
+                    ("bulk, offsets only", DB_BULK, PLAIN_BULK),
+                    ("bulk, offsets only, blocking", DB_BULK_BLOCKING, PLAIN_BULK),
+                    ("bulk, offsets only, on the driver", DRIVER_BULK, PLAIN_BULK),
+                    ("bulk, with claims", DB_CLAIMS_BULK, PLAIN_BULK),
+                    ("bulk, today's runner", TODAY_BULK, PLAIN_BULK),
+                    ("per-message, offsets only", DB_EACH, PLAIN_EACH),
+                    ("per-message, offsets only, blocking", DB_EACH_BLOCKING, PLAIN_EACH),
+                    ("per-message, offsets only, on the driver", DRIVER_EACH, PLAIN_EACH),
+                    ("per-message, with claims", DB_CLAIMS_EACH, PLAIN_EACH),
+                    ("per-message, today's runner", TODAY_EACH, PLAIN_EACH),
+                ]
+            ),
         )
         print_pairs(
             "The same database writes (this mode / the plain loop writing the offset too)",
-            [
-                ("bulk, offsets only", by[DB_BULK], by[PLAIN_DB_BULK]),
-                ("bulk, offsets only, blocking", by[DB_BULK_BLOCKING], by[PLAIN_DB_BULK]),
-                ("bulk, offsets only, on the driver", by[DRIVER_BULK], by[PLAIN_DB_BULK]),
-                ("per-message, offsets only", by[DB_EACH], by[PLAIN_DB_EACH]),
-                ("per-message, offsets only, on the driver", by[DRIVER_EACH], by[PLAIN_DB_EACH]),
-                ("per-message, offsets only, blocking", by[DB_EACH_BLOCKING], by[PLAIN_DB_EACH]),
-            ],
+            pairs(
+                [
+                    ("bulk, offsets only", DB_BULK, PLAIN_DB_BULK),
+                    ("bulk, offsets only, blocking", DB_BULK_BLOCKING, PLAIN_DB_BULK),
+                    ("bulk, offsets only, on the driver", DRIVER_BULK, PLAIN_DB_BULK),
+                    ("per-message, offsets only", DB_EACH, PLAIN_DB_EACH),
+                    ("per-message, offsets only, on the driver", DRIVER_EACH, PLAIN_DB_EACH),
+                    ("per-message, offsets only, blocking", DB_EACH_BLOCKING, PLAIN_DB_EACH),
+                ]
+            ),
         )
         conditions.print_after()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return bench_kafka.parse_args(argv, description=__doc__.split("\n\n")[0], messages=10000)
+    handlers = argparse.ArgumentParser(add_help=False)
+    handlers.add_argument(
+        "--handlers",
+        choices=["both", "bulk", "each"],
+        default="both",
+        help="run only the bulk handler's scenarios, or only the per-message handler's",
+    )
+    known, rest = handlers.parse_known_args(argv)
+    args = bench_kafka.parse_args(rest, description=__doc__.split("\n\n")[0], messages=10000)
+    args.handlers = known.handlers
+    return args
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from .offset_fence import OffsetFence, PartitionFenced
 from .ops import Attempt, AttemptReport, CallHandler, Commit, Execute, Op, Rollback
 from .records import Records
 from .statements import Statements
-from .states import Batch, Item, Next, State, next_after
+from .states import Batch, Item, Next, State, decide_processed, next_after
 
 Delivered = tuple[Message, str | None]
 """A delivery's Message, and why the runner refuses it (None: it does not)."""
@@ -114,6 +114,7 @@ class Pipeline:
         """
         slots: list[Result | Item] = []
         leaders: dict[str, Item] = {}
+        refused = 0
         for delivered in deliveries:
             message, why = delivered if isinstance(delivered, tuple) else (delivered, None)
             try:
@@ -126,6 +127,7 @@ class Pipeline:
                 item = Item(message, key, None if type(body) is bytes else payload_hash(body))
             except InvalidMessage as exc:
                 slots.append(Result(message, Outcome.FAILED, exc))
+                refused += 1
                 continue
             leader = leaders.setdefault(item.key, item)
             if leader is not item:
@@ -133,7 +135,10 @@ class Pipeline:
                     leader.followers = []
                 leader.followers.append(item)
             slots.append(item)
-        return Batch(slots, list(leaders.values()), ordered, breaker=breaker, fence=fence)
+        items = list(leaders.values())
+        twins = len(items) + refused < len(slots)
+        plain = not refused and not twins
+        return Batch(slots, items, ordered, breaker=breaker, fence=fence, plain=plain, twins=twins)
 
     def attempt(self, batch: Batch) -> Attempt:
         """One transaction over the next span of undecided items; decides every item it can."""
@@ -144,7 +149,11 @@ class Pipeline:
         span = self._span(batch)
         try:
             if batch.fence is not None and not batch.fence.claims:
-                return (yield from self._by_offset(batch, span))
+                if not batch.twins:
+                    return (yield from self._by_offset(batch, span))
+                # A key twice in the chunk: claimed, so that the copies answered DUPLICATE
+                # or PayloadMismatch here are answered so from the record if read again.
+                batch.fence.claims = True
             if self.claim_first:
                 return (yield from self._claim_first(batch, span))
             return (yield from self._check_first(batch, span))
@@ -207,8 +216,9 @@ class Pipeline:
         # The offset stops before the first FAILED message until its dead letter is sent:
         # what is applied behind it gets its record, so a read again answers it DUPLICATE.
         # A FAILED record of the key may stand already (a producer's copy, failed before):
-        # it says the same.
-        behind = _behind_failed(batch, runnable)
+        # it says the same. (A plain batch's first attempt has none: nothing failed yet.)
+        untried = batch.plain and batch.rounds == 0 and not failing
+        behind = [] if untried else _behind_failed(batch, runnable)
         return (yield from self._commit(batch, runnable, behind, failing, exact=False))
 
     def _handle(
@@ -291,12 +301,18 @@ class Pipeline:
             return self._report(batch)
         fence = batch.fence
         next_offset = None
+        # Every item of the batch is decided by this commit (they are undecided ones): none
+        # is RETRY, nothing is left to attempt.
+        whole = len(handled) + len(failing) == len(batch.items)
         if fence is not None:
             # A FAILED record's offset waits for its dead letter (the runner moves it on
             # once the letter is sent): killed before, it is read again, and its record
             # answers RecordedFailure, its batch-mates behind it DUPLICATE (with claims, or
             # offsets only by the records _by_offset writes for them and fence.recheck).
-            next_offset = _next_offset(batch, {*handled, *failing}, hold_failed=True)
+            if whole and batch.plain and not failing:  # all of it, in order: past its last
+                next_offset = _past(batch.slots[-1].message.offset)
+            else:
+                next_offset = _next_offset(batch, {*handled, *failing}, hold_failed=True)
             if fence.written is not None and (next_offset or 0) < fence.written:
                 next_offset = fence.written  # never back: what is below it committed before
             write = Execute(fence.statements.in_batch, fence.params(next_offset), fence.read)
@@ -320,18 +336,16 @@ class Pipeline:
         yield from carry(Commit())
         if fence is not None and next_offset is not None:
             fence.written = next_offset
-        for item in handled:
-            item.decide(Outcome.PROCESSED)
+        # _tell_breaker of each handled item at once (a runner's batch; direct calls have
+        # none): all passed, and a run of failures ends once.
+        if decide_processed(handled, batch.breaker is not None):
+            assert batch.breaker is not None
+            batch.breaker.succeeded()
         for item in failing:
             item.decide(Outcome.FAILED, item.failure)
-        if batch.breaker is not None and handled:  # a runner's batch (direct calls have none)
-            # _tell_breaker of each, at once: all passed (a run of failures ends once).
-            told = False
-            for item in handled:
-                if not item.counted:
-                    item.counted = told = True
-            if told:
-                batch.breaker.succeeded()
+        if whole:  # nothing undecided, no RETRY to hold the rest back: done
+            batch.rounds += 1
+            return AttemptReport(pending=False, wait=0.0)
         if batch.limit is not None:  # grow back after a culprit was passed, halving found it
             batch.limit *= 2
         return self._report(batch)
@@ -352,6 +366,8 @@ class Pipeline:
     @staticmethod
     def _span(batch: Batch) -> list[Item]:
         """The undecided items from the first one on; an item ALONE runs alone."""
+        if batch.rounds == 0 and batch.limit is None:  # the first attempt: none is ALONE yet
+            return batch.undecided()
         span: list[Item] = []
         for item in batch.undecided():
             alone = item.state is State.ALONE
@@ -519,10 +535,16 @@ def _next_offset(batch: Batch, committing: set[Item], hold_failed: bool = False)
             item.state is not State.DECIDED or item.outcome is Outcome.RETRY
         ):
             break
-        if hold_failed and _failed(item):
+        # A later copy of a key with another payload ends FAILED (PayloadMismatch, in
+        # Batch.results) though its leader committed: its dead letter is owed too.
+        if hold_failed and (_failed(item) or (item is not slot and slot.hash != item.hash)):
             break
         last = slot.message.offset
     return None if last is None else last + 1
+
+
+def _past(offset: int | None) -> int | None:
+    return None if offset is None else offset + 1
 
 
 def _behind_failed(batch: Batch, items: Sequence[Item]) -> list[Item]:

@@ -150,6 +150,20 @@ class Item:
         return None if self.result is None else self.result.outcome
 
 
+def decide_processed(items: list[Item], count: bool) -> bool:
+    """``item.decide(PROCESSED)`` for each of ``items`` (undecided, committed together), in
+    one loop: once per message of every batch. ``count``: mark each told to the runner's
+    circuit breaker; True if one was not yet (the breaker is then told of a success)."""
+    processed, decided = Outcome.PROCESSED, State.DECIDED
+    told = False
+    for item in items:
+        item.result = _result(item.message, processed, None, item.attempts + 1)
+        item.state = decided
+        if count and not item.counted:
+            item.counted = told = True
+    return told
+
+
 @dataclass(eq=False)
 class Batch:
     """One call's messages: a slot per message, an item per distinct key."""
@@ -168,6 +182,11 @@ class Batch:
     fence: OffsetFence | None = None
     """The source's position, written (fenced by its owner epoch) in every transaction of
     the batch (offset_fence)."""
+    plain: bool = False
+    """Every slot is an item of a key of its own: no refused delivery, no later copy of a
+    key (the usual batch: ``_commit`` and ``_by_offset`` skip their walks over the slots)."""
+    twins: bool = False
+    """A key comes more than once (its later copies follow its item)."""
     spent: dict[str, str] = field(default_factory=dict)
     """Per transient failure (its ``signature``), the key whose attempts it used up: the
     same failure again in this batch ends what remains RETRY at once, so one outage costs

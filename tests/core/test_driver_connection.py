@@ -207,6 +207,69 @@ def test_a_commit_through_it_is_refused_and_nothing_of_the_call_commits(
     assert _records(db).get("c") in (None, "failed")
 
 
+PG_KINDS = [k for k in KINDS if k[0] == "postgresql"]
+
+
+@pytest.fixture(params=PG_KINDS, ids=["-".join(k) for k in PG_KINDS])
+def pg_kind(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Database, str]]:
+    for db in database(request, "postgresql", tmp_path):
+        yield db, request.param[1]
+
+
+def test_a_write_through_it_that_fails_only_at_commit_fails_its_message_alone(
+    pg_kind: tuple[Database, str],
+) -> None:
+    """A deferred constraint that one message's write through the driver's connection
+    breaks is reported by the COMMIT, which names no message: the span is halved until the
+    culprit stands alone. It ends FAILED without its row; its batch-mates' rows are
+    written once each, though the spans they were first written in were rolled back."""
+    db, how = pg_kind
+    ledger = db.name("deferred_ledger")
+    with db.engine.begin() as conn:
+        conn.execute(
+            text(
+                f"CREATE TABLE {ledger} (message_id TEXT, account TEXT, CONSTRAINT "
+                f"{db.name('one_account').split('.')[-1]} UNIQUE (account) "
+                "DEFERRABLE INITIALLY DEFERRED)"
+            )
+        )
+        conn.execute(text(f"INSERT INTO {ledger} VALUES ('before', 'taken')"))
+    mark = "$1, $2" if how == "asyncpg" else "%s, %s"
+    sql = f"INSERT INTO {ledger} (message_id, account) VALUES ({mark})"
+
+    def account(message: Message) -> str:
+        return "taken" if message.id == "m3" else f"acct-{message.id}"
+
+    def body(raw: Any, session: Any, message: Message) -> None:
+        cursor = raw.cursor()
+        try:
+            cursor.execute(sql, (message.id, account(message)))
+        finally:
+            cursor.close()
+
+    async def body_async(raw: Any, session: Any, message: Message) -> None:
+        if how == "asyncpg":
+            await raw.execute(sql, message.id, account(message))
+            return
+        await raw.execute(sql, (message.id, account(message)))
+
+    messages = [Message(id=f"m{i}", body=b"{}") for i in range(6)]
+    results = _run(db, how, body if how == "sync" else body_async, messages)
+    outcomes = {r.message.id: r.outcome for r in results}
+    assert outcomes == {
+        **{f"m{i}": Outcome.PROCESSED for i in (0, 1, 2, 4, 5)},
+        "m3": Outcome.FAILED,
+    }
+    assert "unique" in str(next(r.error for r in results if r.message.id == "m3")).lower()
+    with db.engine.connect() as conn:
+        rows = sorted(r[0] for r in conn.execute(text(f"SELECT message_id FROM {ledger}")))
+    assert rows == ["before", "m0", "m1", "m2", "m4", "m5"]
+    assert _records(db) == {
+        **{f"m{i}": "processed" for i in (0, 1, 2, 4, 5)},
+        "m3": "failed",
+    }
+
+
 def test_outside_a_handler_call_it_is_refused_naming_the_fix(db: Database) -> None:
 
     with Session(db.engine) as session:

@@ -585,6 +585,49 @@ async def test_the_first_records_are_read_at_the_assignment_not_a_poll_timeout_l
     assert stored(pg, group, topic)[0] == 20
 
 
+async def test_a_take_that_fails_is_tried_again_a_poll_timeout_later_not_at_once(
+    kafka: KafkaService, topics: Topics, pg: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database is away when the partition is assigned: the take (owner epoch, stored
+    offset) fails, the partition stays paused, and it is taken again at the next fetch,
+    a poll_timeout later. The assignment ends a fetch's wait once (``Ownership.news``); a
+    take that failed must not end the next ones too, or the loop would spin on the
+    database as fast as it answers. Once it is back, every record is applied once."""
+    poll = 0.25
+    failures: list[float] = []
+    real_take = OffsetStore.take
+
+    async def take(store: OffsetStore, partitions: Any) -> Any:
+        if len(failures) < 4:
+            failures.append(asyncio.get_running_loop().time())
+            raise ConnectionError("the database is away (injected before the take)")
+        return await real_take(store, partitions)
+
+    monkeypatch.setattr(OffsetStore, "take", take)
+    ledger = pg.create_ledger()
+    topic = await topics.create("take-fails")
+    group = "take-fails-" + topic
+    await topics.produce_many(topic, events(0, 10))
+    engine = pg.async_engine()
+    try:
+        runner = make_runner(
+            kafka,
+            ledger_handler(engine, pg.tables, ledger, "a"),
+            topic,
+            group,
+            claim_ids=False,
+            poll_timeout=timedelta(seconds=poll),
+        )
+        await asyncio.wait_for(runner.run(until_idle=True), DEADLINE)
+    finally:
+        await engine.dispose()
+    assert len(failures) == 4
+    # Three more tries, each after a fetch that waited (a spinning loop: milliseconds).
+    assert failures[-1] - failures[0] >= 3 * poll * 0.8, failures
+    assert sorted(applied(pg, ledger)) == [eid for eid, _ in events(0, 10)]
+    assert stored(pg, group, topic)[0] == 10
+
+
 async def test_the_collector_is_frozen_once_set_up_before_the_first_record(
     kafka: KafkaService, topics: Topics, pg: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
