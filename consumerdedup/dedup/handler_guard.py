@@ -462,8 +462,9 @@ class HandlerCall:
         self.ended = "the transaction ended outside SQLAlchemy (the raw DB-API connection)"
         raise TransactionBroken(
             "the handler ended the transaction through the raw DB-API connection (its "
-            f"commit() or rollback()), then sent another statement: {_NO_COMMIT}; never use "
-            "the raw connection in a handler"
+            f"commit() or rollback()), then sent another statement: {_NO_COMMIT}; never "
+            "commit or roll back the raw connection in a handler (driver_connection(session) "
+            "is for statements; to undo part of the work, use session.begin_nested())"
         )
 
     def _refuse_control(self, statement: str, dialect: str) -> None:

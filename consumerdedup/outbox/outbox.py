@@ -225,9 +225,9 @@ def _require_pipeline_open(connection: Connection) -> None:
         raise TransactionBroken(
             f"{_ADD}: the handler ended the pipeline's transaction through the raw DB-API "
             "connection (its rollback() or commit()), so this event could not commit with "
-            "the dedup record and the handler's writes: never use the raw connection "
-            "(session.connection().connection) in a handler; to undo part of the work, "
-            "wrap it in session.begin_nested()"
+            "the dedup record and the handler's writes: never commit or roll back the raw "
+            "connection (driver_connection(session)) in a handler; to undo part of the "
+            "work, wrap it in session.begin_nested()"
         )
 
 

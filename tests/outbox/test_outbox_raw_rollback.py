@@ -108,7 +108,8 @@ def test_a_raw_rollback_then_outbox_add_fails_alone_and_says_why(
     assert isinstance(failed.error, TransactionBroken), failed.reason
     assert "AUTOCOMMIT" not in failed.reason
     if not swallow:  # a swallowed error: the guard's own word when the handler returns
-        assert RAW in failed.reason and "never use the raw connection" in failed.reason
+        assert RAW in failed.reason
+        assert "never commit or roll back the raw connection" in failed.reason
     # Fail closed: nothing of t2 committed, its record says FAILED; its batch-mates committed.
     assert effects(db, ledger) == ["t1", "t3"]
     assert records(db)["t2"][0] == "failed"
