@@ -452,6 +452,9 @@ class KafkaConsumerRunner(ConsumerRunner):
             self._schedule.settled(records[:done])
             await acks.commit(consumer, tp, target)  # for lag tooling: the database decides
         if done < len(records):
+            # Read again from a RETRY: records behind it may have records of this chunk
+            # (a copy of an id the chunk claimed, answered DUPLICATE): looked up then.
+            owned.recheck = True
             self._schedule.retry(consumer, tp, records[done], results[done])
             self._positions[tp] = records[done].offset
             return False

@@ -116,10 +116,11 @@ class OffsetFence:
     fenced: bool = False
     """A write changed no row: the partition is another consumer's now."""
     recheck: bool = False
-    """Without claims: the batch's first message is where the partition was taken (or
-    sought back to), perhaps a FAILED one whose offset waited for its dead letter: its
-    record is looked up, and if it has one the batch is claimed (its batch-mates behind it
-    got their records with it)."""
+    """Without claims: the batch starts where the partition was taken or sought back to (a
+    RETRY record), and some of its messages may have records: a FAILED one whose offset
+    waited for its dead letter and those applied behind it, or a copy of an id whose chunk
+    was claimed (an id twice in it). Their keys are looked up, one SELECT; if one has a
+    record, the batch is claimed."""
 
     def params(self, next_offset: int | None) -> dict[str, Any]:
         return {

@@ -202,11 +202,14 @@ class Pipeline:
             yield from carry(Rollback())
             self._fenced(batch, fence)
             return self._report(batch)
-        if fence.recheck:  # read again from an offset held for a dead letter?
+        if fence.recheck:  # read again from an offset the records may be past?
             fence.recheck = False
-            first = span[:1] if span and span[0] is batch.items[0] else []
-            if first and not (yield from self.records.look_up(first)):
-                fence.claims = True  # recorded: the batch-mates behind it have records too
+            first = span and span[0] is batch.items[0]
+            if first and len((yield from self.records.look_up(span))) < len(span):
+                # Recorded ones (decided by the lookup): a FAILED record held for its dead
+                # letter and those applied behind it, or copies of a key its chunk claimed
+                # (a twin behind a RETRY). The rest goes as with claims.
+                fence.claims = True
                 return (yield from self._claim_first(batch, self._span(batch)))
         runnable = [item for item in span if item.state is not State.FAILING]
         culprit = yield from self._handle(runnable, None)

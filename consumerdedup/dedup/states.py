@@ -238,7 +238,7 @@ class Batch:
                 assert slot.result is not None, "results() before every item was decided"
                 result = slot.result
                 for follower in slot.followers or ():
-                    follower.result = _follow(result, follower)
+                    follower.result = _follow(result, slot, follower)
             if self.ordered and ahead is not None and result.outcome is Outcome.FAILED:
                 why = HeldBack(f"behind {ahead.id!r}, which is retried")
                 result = Result(result.message, Outcome.RETRY, why)
@@ -248,10 +248,24 @@ class Batch:
         return results
 
 
-def _follow(leader: Result, follower: Item) -> Result:
-    first = leader.message
-    if follower.hash != payload_hash(first.body):
-        mismatch = PayloadMismatch(follower.key, payload_hash(first.body), follower.hash)
+def _follow(leader: Result, first: Item, follower: Item) -> Result:
+    """A later copy's Result, by its key's first copy (``first``, whose Result is ``leader``).
+
+    Payloads are compared as hashed when the batch started (``Item.hash``), as the offset
+    (pipeline._next_offset) compared them: a body a handler changed in place since (a
+    bytearray) must not turn a copy FAILED after the offset went past it. A first copy
+    refused because the key's record holds another payload is not the payload to match:
+    a copy of the recorded one is a DUPLICATE (a chunk read again from a held offset
+    starts at such a copy, its recorded twin behind it)."""
+    if follower.hash != first.hash:
+        error = leader.error
+        if (
+            leader.outcome is Outcome.FAILED
+            and isinstance(error, PayloadMismatch)
+            and error.recorded_hash == follower.hash
+        ):
+            return Result(follower.message, Outcome.DUPLICATE)
+        mismatch = PayloadMismatch(follower.key, first.hash, follower.hash)
         return Result(follower.message, Outcome.FAILED, mismatch)
     if leader.outcome in (Outcome.PROCESSED, Outcome.DUPLICATE):
         return Result(follower.message, Outcome.DUPLICATE)
