@@ -133,11 +133,10 @@ async def one_round(bench: Bench, args: argparse.Namespace, bulk: bool) -> float
         mine = owned[topic, p]
         for start in range(0, per, config.batch_size):
             chunk = fetched[p][start : start + config.batch_size]
-            fence = store.fence(topic, p, mine, claims=False)
-            fence.recheck = mine.recheck
+            fence = store.fence(topic, p, mine, claims=False, first=chunk[0].offset)
             results = await runner._process(chunk, fence)
             assert not fence.fenced and len(results) == len(chunk)
-            mine.stored, mine.recheck = fence.written, False
+            store.committed(mine, fence)
 
     used = time.process_time()
     await asyncio.gather(*(partition(p) for p in fetched))

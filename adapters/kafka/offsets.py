@@ -38,9 +38,9 @@ class Owned:
 
     epoch: int
     stored: int | None
-    recheck: bool = True
-    """Offsets only: the next chunk starts where the partition was taken or sought back
-    to, perhaps a FAILED record whose offset waited for its dead letter (OffsetFence)."""
+    recheck_until: int | None = None
+    """consumer_offsets' ``recheck_until`` as taken, raised as chunks commit: a chunk that
+    starts below it is looked up (OffsetFence.recheck)."""
 
 
 def first_epoch() -> int:
@@ -84,12 +84,25 @@ class OffsetStore:
                 row = {"consumer_group": self.group, "topic": topic, "partition": partition}
                 fresh = first_epoch()
                 conn.execute(insert(table).values(**row, owner_epoch=fresh, updated_at=now))
-            stored, epoch = conn.execute(select(c.next_offset, c.owner_epoch).where(*where)).one()
-            taken[topic, partition] = Owned(int(epoch), None if stored is None else int(stored))
+            stored, epoch, until = conn.execute(
+                select(c.next_offset, c.owner_epoch, c.recheck_until).where(*where)
+            ).one()
+            taken[topic, partition] = Owned(
+                int(epoch),
+                None if stored is None else int(stored),
+                None if until is None else int(until),
+            )
         return taken
 
-    def fence(self, topic: str, partition: int, owned: Owned, claims: bool) -> OffsetFence:
-        """What a chunk of this partition's transactions write, at the epoch taken."""
+    def fence(
+        self, topic: str, partition: int, owned: Owned, claims: bool, first: int | None = None
+    ) -> OffsetFence:
+        """What a chunk of this partition's transactions write, at the epoch taken.
+        ``first``: the chunk's first offset; without claims, a chunk that starts below the
+        partition's ``recheck_until`` (or one whose start is not given, while it is set)
+        looks its ids up (OffsetFence.recheck)."""
+        until = owned.recheck_until
+        below = until is not None and (first is None or first < until)
         return OffsetFence(
             self.statements,
             self.group,
@@ -98,7 +111,17 @@ class OffsetStore:
             owned.epoch,
             claims=claims,
             written=owned.stored,
+            recheck_until=until,
+            recheck=below and not claims,
         )
+
+    @staticmethod
+    def committed(owned: Owned, fence: OffsetFence) -> None:
+        """What a chunk's transactions committed, kept up in ``owned``: the offset stored
+        (a read again starts there, not before) and ``recheck_until``."""
+        if fence.written is not None and (owned.stored is None or fence.written > owned.stored):
+            owned.stored = fence.written
+        owned.recheck_until = fence.recheck_until
 
     async def advance(self, fence: OffsetFence, next_offset: int) -> bool:
         """Write ``next_offset`` in a transaction of its own; False if the epoch moved on."""

@@ -152,8 +152,6 @@ class Ownership:
             if not passing(exc):
                 raise
             logger.warning("offset of %s not written (%s): read again", tp, describe(exc))
-            if (owned := self.owned.get(tp)) is not None:
-                owned.recheck = True  # read again from an offset held for a dead letter
             stored = self.start_of(tp)
             if stored is not None:
                 acks.seek(consumer, tp, stored)

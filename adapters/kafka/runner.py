@@ -429,14 +429,13 @@ class KafkaConsumerRunner(ConsumerRunner):
         claims = ownership.claims or any(
             key == REPLAYED_HEADER for record in records for key, _ in record.headers
         )
-        fence = ownership.store.fence(tp.topic, tp.partition, owned, claims)
-        fence.recheck = owned.recheck and not claims
+        first = records[0].offset
+        fence = ownership.store.fence(tp.topic, tp.partition, owned, claims, first=first)
         results = await self._process(records, fence)
         if fence.fenced:
             ownership.fenced(consumer, tp)
             return False
-        if fence.written is not None and (owned.stored is None or fence.written > owned.stored):
-            owned.stored = fence.written  # committed: a read again starts here, not before
+        ownership.store.committed(owned, fence)
         self.committed(results)  # the before_ack hook: a SimulatedCrash leaves from here
         done = next((i for i, r in enumerate(results) if r.outcome is Outcome.RETRY), len(results))
         if done:
@@ -448,13 +447,10 @@ class KafkaConsumerRunner(ConsumerRunner):
             covered = (fence.written or 0) >= target
             if not covered and not await ownership.advance(consumer, tp, fence, target):
                 return False
-            owned.stored, owned.recheck = target, False
+            owned.stored = target
             self._schedule.settled(records[:done])
             await acks.commit(consumer, tp, target)  # for lag tooling: the database decides
-        if done < len(records):
-            # Read again from a RETRY: records behind it may have records of this chunk
-            # (a copy of an id the chunk claimed, answered DUPLICATE): looked up then.
-            owned.recheck = True
+        if done < len(records):  # read again from it (looked up below recheck_until)
             self._schedule.retry(consumer, tp, records[done], results[done])
             self._positions[tp] = records[done].offset
             return False

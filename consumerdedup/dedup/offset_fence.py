@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import BigInteger, Table, bindparam, func, select, text, update
+from sqlalchemy import BigInteger, Table, and_, bindparam, case, func, select, text, update
 from sqlalchemy.dialects import postgresql
 
 from ..db.names import table_sql
@@ -72,6 +72,16 @@ class OffsetStatements:
             .values(
                 next_offset=func.coalesce(bindparam("n", type_=BigInteger), c.next_offset),
                 updated_at=bindparam("now"),
+                recheck_until=case(
+                    (
+                        and_(
+                            bindparam("r", type_=BigInteger).is_not(None),
+                            func.coalesce(c.recheck_until, -1) < bindparam("r", type_=BigInteger),
+                        ),
+                        bindparam("r", type_=BigInteger),
+                    ),
+                    else_=c.recheck_until,
+                ),
             )
         )
         epoch = select(c.owner_epoch).where(
@@ -90,10 +100,13 @@ class OffsetStatements:
             f"{q(c.consumer_group.name)} = %(g)s AND {q(c.topic.name)} = %(t)s "
             f"AND {q(c.partition.name)} = %(p)s"
         )
+        until = q(c.recheck_until.name)
         moved = DriverSQL(
             f"UPDATE {name} SET {q(c.next_offset.name)} = "
             f"coalesce(%(n)s::bigint, {q(c.next_offset.name)}), {q(c.updated_at.name)} = "
-            f"%(now)s WHERE {key} AND {q(c.owner_epoch.name)} = %(e)s RETURNING 1"
+            f"%(now)s, {until} = CASE WHEN %(r)s::bigint IS NOT NULL AND coalesce({until}, -1) "
+            f"< %(r)s::bigint THEN %(r)s::bigint ELSE {until} END "
+            f"WHERE {key} AND {q(c.owner_epoch.name)} = %(e)s RETURNING 1"
         )
         owner = DriverSQL(f"SELECT {q(c.owner_epoch.name)} FROM {name} WHERE {key}")
         return cls(advance, epoch, moved, owner)
@@ -115,14 +128,20 @@ class OffsetFence:
     """The next offset the last committed transaction wrote (None: none yet)."""
     fenced: bool = False
     """A write changed no row: the partition is another consumer's now."""
+    recheck_until: int | None = None
+    """The partition's ``recheck_until`` (consumer_offsets): records of messages below it
+    may stand though the offset is below them. Raised to a chunk's end by a commit that
+    held the offset before it."""
     recheck: bool = False
-    """Without claims: the batch starts where the partition was taken or sought back to (a
-    RETRY record), and some of its messages may have records: a FAILED one whose offset
-    waited for its dead letter and those applied behind it, or a copy of an id whose chunk
-    was claimed (an id twice in it). Their keys are looked up, one SELECT; if one has a
-    record, the batch is claimed."""
+    """Without claims: the batch starts below ``recheck_until`` (OffsetStore.fence), so some
+    of its messages may have records: a FAILED one whose offset waited for its dead letter
+    and those applied behind it, or a copy of an id whose chunk was claimed (an id twice in
+    it). Their keys are looked up, one SELECT; if one has a record, the batch is claimed.
+    Off once a lookup has answered (a failed one is tried again with the next attempt)."""
 
-    def params(self, next_offset: int | None) -> dict[str, Any]:
+    def params(self, next_offset: int | None, held_to: int | None = None) -> dict[str, Any]:
+        """``held_to``: the end of a chunk whose commit holds the offset before it (raises
+        ``recheck_until``); None: left as it is."""
         return {
             "g": self.group,
             "t": self.topic,
@@ -130,6 +149,7 @@ class OffsetFence:
             "e": self.epoch,
             "n": next_offset,
             "now": utcnow(),
+            "r": held_to,
         }
 
     def key(self) -> dict[str, Any]:

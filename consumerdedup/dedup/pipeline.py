@@ -202,10 +202,10 @@ class Pipeline:
             yield from carry(Rollback())
             self._fenced(batch, fence)
             return self._report(batch)
-        if fence.recheck:  # read again from an offset the records may be past?
-            fence.recheck = False
-            first = span and span[0] is batch.items[0]
-            if first and len((yield from self.records.look_up(span))) < len(span):
+        if fence.recheck and span and span[0] is batch.items[0]:  # below recheck_until
+            unknown = yield from self.records.look_up(span)
+            fence.recheck = False  # answered: a lookup that failed is tried again
+            if len(unknown) < len(span):
                 # Recorded ones (decided by the lookup): a FAILED record held for its dead
                 # letter and those applied behind it, or copies of a key its chunk claimed
                 # (a twin behind a RETRY). The rest goes as with claims.
@@ -303,7 +303,8 @@ class Pipeline:
             yield from carry(Rollback())
             return self._report(batch)
         fence = batch.fence
-        next_offset = None
+        next_offset: int | None = None
+        held_to: int | None = None
         # Every item of the batch is decided by this commit (they are undecided ones): none
         # is RETRY, nothing is left to attempt.
         whole = len(handled) + len(failing) == len(batch.items)
@@ -312,13 +313,19 @@ class Pipeline:
             # once the letter is sent): killed before, it is read again, and its record
             # answers RecordedFailure, its batch-mates behind it DUPLICATE (with claims, or
             # offsets only by the records _by_offset writes for them and fence.recheck).
+            end = _past(batch.slots[-1].message.offset)
             if whole and batch.plain and not failing:  # all of it, in order: past its last
-                next_offset = _past(batch.slots[-1].message.offset)
+                next_offset = end
             else:
                 next_offset = _next_offset(batch, {*handled, *failing}, hold_failed=True)
             if fence.written is not None and (next_offset or 0) < fence.written:
                 next_offset = fence.written  # never back: what is below it committed before
-            write = Execute(fence.statements.in_batch, fence.params(next_offset), fence.read)
+            # Held before the chunk's end: records of this commit may stand past the offset,
+            # and a chunk read again below ``end`` looks its ids up (fence.recheck).
+            if next_offset is None or (end is not None and next_offset < end):
+                held_to = end
+            params = fence.params(next_offset, held_to)
+            write = Execute(fence.statements.in_batch, params, fence.read)
             if not (yield from carry(write, after_handlers=bool(handled))):
                 yield from carry(Rollback())
                 self._fenced(batch, fence)
@@ -339,6 +346,8 @@ class Pipeline:
         yield from carry(Commit())
         if fence is not None and next_offset is not None:
             fence.written = next_offset
+        if fence is not None and held_to is not None:
+            fence.recheck_until = max(fence.recheck_until or held_to, held_to)
         # _tell_breaker of each handled item at once (a runner's batch; direct calls have
         # none): all passed, and a run of failures ends once.
         if decide_processed(handled, batch.breaker is not None):

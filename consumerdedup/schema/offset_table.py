@@ -30,6 +30,11 @@ def consumer_offsets_table(metadata: MetaData, schema: str | None, name: str) ->
         # Bumped by each assignment of the partition: a write carrying an older one is a
         # zombie's (a consumer the group moved on from) and changes no row.
         Column("owner_epoch", BigInteger, nullable=False),
+        # A chunk that held the offset before its end (a FAILED record waiting for its dead
+        # letter, a RETRY) may have committed records of messages past it (those applied
+        # behind a FAILED one, a chunk claimed for a repeated id): a chunk read again below
+        # this offset looks its ids up. Only grows; NULL: no chunk held.
+        Column("recheck_until", BigInteger, nullable=True),
         Column("updated_at", DateTime(timezone=True), nullable=False),
         schema=schema,
         mysql_engine="InnoDB",

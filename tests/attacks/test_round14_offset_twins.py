@@ -14,7 +14,7 @@ and adds a fast path for a plain batch's first attempt. The invariants attacked:
 
 Through the public API: ``process_deliveries(..., ordered=True, fence=...)`` with an
 ``OffsetStore``'s fence as the runner makes it (a read again after a crash: the partition
-taken anew, ``fence.recheck = owned.recheck and not claims``), and the real
+taken anew, its chunk fenced by ``OffsetStore.fence(..., first=...)``), and the real
 KafkaConsumerRunner on the Kafka-protocol broker. PostgreSQL (async psycopg).
 """
 
@@ -145,9 +145,8 @@ class Rig:
     ) -> tuple[list[Outcome], int]:
         """A chunk from where the partition was taken (as after a crash: taken anew)."""
         owned = (await self.store.take([("t", partition)]))["t", partition]
-        fence = self.store.fence("t", partition, owned, claims=claims)
-        fence.recheck = owned.recheck and not claims
         start = owned.stored or 0
+        fence = self.store.fence("t", partition, owned, claims=claims, first=start)
         results = await self.handlers[mode].process_deliveries(
             delivered[start:], ordered=True, fence=fence, breaker=breaker
         )
@@ -458,9 +457,8 @@ def test_the_blocking_deduplicator_holds_the_offset_before_a_mismatched_copy(pg:
     delivered = chunk("sy", ["ok", "ok", "dupx0", "dup1"])
     for _ in range(2):  # then killed before the dead letter: read again
         owned = asyncio.run(store.take([("t", 0)]))["t", 0]
-        fence = store.fence("t", 0, owned, claims=False)
-        fence.recheck = owned.recheck
         start = owned.stored or 0
+        fence = store.fence("t", 0, owned, claims=False, first=start)
         results = each.process_deliveries(delivered[start:], ordered=True, fence=fence)
         stored = asyncio.run(store.stored("t", 0))
         assert stored is not None and stored[0] == 2, [r.outcome for r in results]

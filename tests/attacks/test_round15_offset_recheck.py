@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
@@ -57,10 +58,11 @@ async def read_like_the_runner(
     rig: Rig, mode: str, delivered: list[Any], size: int, claims: bool = False, limit: int = 20
 ) -> dict[int, list[Outcome]]:
     """The partition taken anew (a restart, or a rebalance), then read in chunks of
-    ``size`` from the stored offset as KafkaConsumerRunner._handle_in_database does:
-    ``fence.recheck = owned.recheck and not claims``; after a chunk settled records (their
-    dead letters sent) the offset is advanced past them and ``owned.recheck`` goes off; a
-    RETRY seeks back to it with ``owned.recheck`` on. Each offset's outcomes, in order."""
+    ``size`` from the stored offset as KafkaConsumerRunner._handle_in_database does: each
+    chunk fenced by ``OffsetStore.fence(..., first=its first offset)`` (looked up below the
+    partition's recheck_until), ``OffsetStore.committed`` after it; after a chunk settled
+    records (their dead letters sent) the offset is advanced past them; a RETRY seeks back
+    to it. Each offset's outcomes, in order."""
     owned = (await rig.store.take([("t", 0)]))["t", 0]
     position = owned.stored or 0
     seen: dict[int, list[Outcome]] = {}
@@ -68,12 +70,10 @@ async def read_like_the_runner(
         if position >= len(delivered):
             break
         records = delivered[position : position + size]
-        fence = rig.store.fence("t", 0, owned, claims)
-        fence.recheck = owned.recheck and not claims
+        fence = rig.store.fence("t", 0, owned, claims, first=position)
         results = await rig.handlers[mode].process_deliveries(records, ordered=True, fence=fence)
         assert not fence.fenced
-        if fence.written is not None and (owned.stored is None or fence.written > owned.stored):
-            owned.stored = fence.written
+        rig.store.committed(owned, fence)
         for result in results:
             assert result.message.offset is not None
             seen.setdefault(result.message.offset, []).append(result.outcome)
@@ -82,10 +82,8 @@ async def read_like_the_runner(
             target = position + done
             if (fence.written or 0) < target:  # the dead letters sent: moved past them
                 assert await rig.store.advance(fence, target)
-            owned.stored, owned.recheck = target, False
+            owned.stored = target
         position += done
-        if done < len(records):
-            owned.recheck = True  # read again from the RETRY record
     return seen
 
 
@@ -118,13 +116,6 @@ HELD_FOR = ["fail", "refused"]
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    reason="offsets only: [A, X failed/refused, C] commits C with a record and holds the "
-    "offset at X; killed before X's dead letter and read again in chunks of 1 (batch_size "
-    "lowered, or a short fetch), the recheck looks up the first chunk [X] only and is "
-    "turned off, and [C] goes by offset: C is applied a second time",
-)
 @pytest.mark.parametrize("held", HELD_FOR)
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_record_behind_a_held_failure_is_not_applied_again_by_a_shorter_chunk(
@@ -144,11 +135,6 @@ async def test_a_record_behind_a_held_failure_is_not_applied_again_by_a_shorter_
         await rig.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the same on MariaDB and SQLite: C behind a held FAILED record is applied again "
-    "when the chunk read again is shorter than the one that committed it",
-)
 @pytest.mark.parametrize("db_name", ["mariadb", "sqlite_db"], ids=["mariadb", "sqlite"])
 async def test_the_shorter_chunk_on_other_databases(
     request: pytest.FixtureRequest, db_name: str
@@ -166,12 +152,6 @@ async def test_the_shorter_chunk_on_other_databases(
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    reason="offsets only: [A, B retry, A copy] is claimed for its twin and holds the offset "
-    "at B; restarted with a smaller batch_size, the recheck looks up [B] only, B commits "
-    "and turns the recheck off, and the copy [A] goes by offset: A is applied twice",
-)
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_twin_behind_a_retry_is_not_applied_again_by_a_shorter_chunk(
     pg: Any, mode: str
@@ -191,27 +171,29 @@ async def test_a_twin_behind_a_retry_is_not_applied_again_by_a_shorter_chunk(
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    reason="offsets only: the recheck is switched off (fence.recheck = False) before its "
-    "lookup runs; a lookup that fails (a lock_timeout on processed_events, any transient "
-    "error) leaves the next attempt of the chunk read again going by offset: C, recorded "
-    "behind the held FAILED record, is applied a second time",
-)
+class _ReleaseAtTheFirstFailure(logging.Handler):
+    """Ends the lock holder's transaction when the first failed attempt is logged: between
+    that attempt and the next one, deterministically."""
+
+    def __init__(self, locker: Any) -> None:
+        super().__init__()
+        self.locker = locker
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.locker.in_transaction():
+            self.locker.rollback()
+
+
 async def test_a_recheck_whose_lookup_fails_is_not_dropped(pg: Any) -> None:
+    """The recheck's lookup fails (a lock held past lock_timeout), and the lock is gone by
+    the next attempt: that attempt looks the ids up again. (It went by offset alone: the
+    lookup was switched off before it ran, and C was applied a second time.)"""
     engine = create_async_engine(pg.async_url, connect_args={"options": "-c lock_timeout=300"})
     rig = EachRig(pg, "r15-lookup-fails", engine=engine)
-    world, insert = rig.world, rig.insert
     locker = pg.engine.connect()
     table = pg.name("processed_events")
-
-    async def each(message: Message, session: Any) -> None:
-        if locker.in_transaction():  # the lookup failed on the lock: the outage is over
-            locker.rollback()
-        await session.execute(insert, {"m": message.id})
-        world.act(message)
-
-    rig.handlers["each"] = rig.dedup.handler(each)
+    attempts = logging.getLogger("consumerdedup.attempts")
+    release = _ReleaseAtTheFirstFailure(locker)
     try:
         delivered = chunk("lf", ["ok", "fail", "ok"])
         outcomes, stored = await rig.run("each", 0, delivered, claims=False)
@@ -219,11 +201,14 @@ async def test_a_recheck_whose_lookup_fails_is_not_dropped(pg: Any) -> None:
         # Killed before the dead letter; read again (same size) while a migration holds
         # processed_events: the recheck's SELECT waits past lock_timeout and fails.
         locker.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
-        seen = await read_like_the_runner(rig, "each", delivered, size=3)
-        assert not locker.in_transaction()  # the lock was met and released
-        assert seen[1] == [F]
+        attempts.addHandler(release)
+        try:
+            seen = await read_like_the_runner(rig, "each", delivered, size=3)
+        finally:
+            attempts.removeHandler(release)
+        assert not locker.in_transaction()  # the lock was met, then released
         assert rig.rows("lf") == Counter({"lf-0": 1, "lf-2": 1}), seen
-        assert seen[2] == [D]
+        assert seen == {1: [F], 2: [D]}
     finally:
         if locker.in_transaction():
             locker.rollback()
@@ -262,11 +247,6 @@ def _runner(kafka: KafkaService, handle: Any, topic: str, group: str, size: int,
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    reason="the real runner: [e-0, e-1 fails, e-2] in one chunk of 3, killed after its "
-    "commit before e-1's dead letter; restarted with batch_size=1, e-2 is applied twice",
-)
 async def test_the_runner_restarted_with_a_smaller_batch_applies_nothing_twice(
     kafka: KafkaService, topics: Topics, pg: Any
 ) -> None:
