@@ -203,9 +203,12 @@ class Pipeline:
             self._fenced(batch, fence)
             return self._report(batch)
         if fence.recheck and span and span[0] is batch.items[0]:  # below recheck_until
-            unknown = yield from self.records.look_up(span)
+            # The whole batch, not the span: after a failed lookup halved it, the rest
+            # would go unlooked-up once the first half's answered.
+            undecided = batch.undecided()
+            unknown = yield from self.records.look_up(undecided)
             fence.recheck = False  # answered: a lookup that failed is tried again
-            if len(unknown) < len(span):
+            if len(unknown) < len(undecided):
                 # Recorded ones (decided by the lookup): a FAILED record held for its dead
                 # letter and those applied behind it, or copies of a key its chunk claimed
                 # (a twin behind a RETRY). The rest goes as with claims.
