@@ -323,6 +323,11 @@ class Pipeline:
                 next_offset = _next_offset(batch, {*handled, *failing}, hold_failed=True)
             if fence.written is not None and (next_offset or 0) < fence.written:
                 next_offset = fence.written  # never back: what is below it committed before
+            elif next_offset is None and fence.written is None:
+                # Held at the partition's first record: stored as where to start, or a
+                # restart would start where the group's offset or auto_offset_reset says
+                # ("latest": past a FAILED record whose dead letter was not sent yet).
+                next_offset = batch.slots[0].message.offset
             # Held before the chunk's end: records of this commit may stand past the offset,
             # and a chunk read again below ``end`` looks its ids up (fence.recheck).
             if next_offset is None or (end is not None and next_offset < end):

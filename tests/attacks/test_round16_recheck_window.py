@@ -80,7 +80,8 @@ def _rig(request: pytest.FixtureRequest, which: str, group: str) -> tuple[Any, E
 async def test_the_window_is_written_with_a_null_offset_and_only_grows(
     request: pytest.FixtureRequest, which: str
 ) -> None:
-    """The partition's first record FAILED: the offset stays NULL, recheck_until is the
+    """The partition's first record FAILED: the offset is stored at it (it was left NULL:
+    see test_offsets_in_database's auto_offset_reset="latest" test), recheck_until is the
     chunk's end. Read again one by one (each held chunk's end below it, each advance after
     a dead letter): it is never lowered, everything behind the failure DUPLICATE."""
     group = f"r16-null-{which}"
@@ -89,7 +90,7 @@ async def test_the_window_is_written_with_a_null_offset_and_only_grows(
         delivered = chunk("nu", ["fail", "ok", "ok", "ok"])
         outcomes, stored = await rig.run("each", 0, delivered, claims=False)
         assert outcomes == [F, P, P, P] and stored == 0
-        assert window(db, group) == (None, 4)
+        assert window(db, group) == (0, 4)
         seen = await read_like_the_runner(rig, "each", delivered, size=1)
         assert seen == {0: [F], 1: [D], 2: [D], 3: [D]}
         assert rig.rows("nu") == Counter({"nu-1": 1, "nu-2": 1, "nu-3": 1})
@@ -169,7 +170,7 @@ async def test_a_wide_window_read_again_in_many_short_chunks(pg: Any, mode: str)
         delivered = chunk("wi", ["fail"] + ["ok"] * 39)
         outcomes, stored = await rig.run(mode, 0, delivered, claims=False)
         assert outcomes == [F] + [P] * 39 and stored == 0
-        assert window(pg, group) == (None, 40)
+        assert window(pg, group) == (0, 40)
         delivered += chunk("wj", ["ok"] * 41)[40:]
         seen = await read_like_the_runner(rig, mode, delivered, size=7)
         assert seen == {0: [F], **{i: [D] for i in range(1, 40)}, 40: [P]}
@@ -342,7 +343,7 @@ async def test_the_runner_first_record_failed_under_claims_then_offsets_only(
                 DEADLINE,
             )
         assert first == [[F, P, P]]
-        assert window(pg, group, topic) == (None, 3)
+        assert window(pg, group, topic) == (0, 3)
         restarted = _runner(kafka, handle, topic, group, 1, False, again.extend)
         await asyncio.wait_for(restarted.run(until_idle=True), DEADLINE)
     finally:

@@ -43,6 +43,7 @@ from consumerdedup import (
     PermanentError,
     Result,
     RetryPolicy,
+    SimulatedCrash,
     Tables,
 )
 from consumerdedup.adapters.kafka import KafkaConfig, KafkaConsumerRunner
@@ -583,6 +584,49 @@ async def test_the_first_records_are_read_at_the_assignment_not_a_poll_timeout_l
         await engine.dispose()
     assert sorted(applied(pg, ledger)) == [eid for eid, _ in events(0, 20)]
     assert stored(pg, group, topic)[0] == 20
+
+
+@pytest.mark.parametrize("claim_ids", [False, True], ids=["offsets-only", "with-claims"])
+async def test_a_first_record_failed_is_read_again_with_auto_offset_reset_latest(
+    kafka: KafkaService, topics: Topics, pg: Any, claim_ids: bool
+) -> None:
+    """A partition's first chunk holds the offset at its first record, FAILED (its dead
+    letter goes after the commit); killed in between. The database stores that record's
+    offset, not nothing: restarted with ``auto_offset_reset="latest"`` and no group offset,
+    the runner starts at it (it started at the log's end: the dead letter was never sent),
+    dead-letters it once and applies nothing twice."""
+    ledger = pg.create_ledger()
+    topic = await topics.create("first-failed")
+    group = "first-failed-" + topic
+    await topics.produce(topic, json.dumps({"n": 0, "fail": True}).encode(), event_id="e-0000")
+    await topics.produce_many(topic, events(1, 3))
+
+    def crash(results: Sequence[Result]) -> None:
+        raise SimulatedCrash("killed after the database commit, before the dead letter")
+
+    engine = pg.async_engine()
+    try:
+        handle = ledger_handler(engine, pg.tables, ledger, "a")
+        first = make_runner(
+            kafka, handle, topic, group, before_ack=crash, claim_ids=claim_ids, batch_size=3
+        )
+        with pytest.raises(SimulatedCrash):
+            await asyncio.wait_for(first.run(until_idle=True), DEADLINE)
+        assert stored(pg, group, topic)[0] == 0  # held at the FAILED record
+        again = make_runner(
+            kafka,
+            handle,
+            topic,
+            group,
+            claim_ids=claim_ids,
+            consumer_options={"auto_offset_reset": "latest"},
+        )
+        await asyncio.wait_for(again.run(until_idle=True), DEADLINE)
+    finally:
+        await engine.dispose()
+    assert sorted(applied(pg, ledger)) == ["e-0001", "e-0002"]
+    assert len(await topics.records(topic + ".dlq")) == 1
+    assert stored(pg, group, topic)[0] == 3
 
 
 async def test_a_take_that_fails_is_tried_again_a_poll_timeout_later_not_at_once(
