@@ -137,8 +137,7 @@ class Pipeline:
             slots.append(item)
         items = list(leaders.values())
         twins = len(items) + refused < len(slots)
-        plain = not refused and not twins
-        return Batch(slots, items, ordered, breaker=breaker, fence=fence, plain=plain, twins=twins)
+        return Batch(slots, items, ordered, breaker=breaker, fence=fence, twins=twins)
 
     def attempt(self, batch: Batch) -> Attempt:
         """One transaction over the next span of undecided items; decides every item it can."""
@@ -312,26 +311,7 @@ class Pipeline:
         # is RETRY, nothing is left to attempt.
         whole = len(handled) + len(failing) == len(batch.items)
         if fence is not None:
-            # A FAILED record's offset waits for its dead letter (the runner moves it on
-            # once the letter is sent): killed before, it is read again, and its record
-            # answers RecordedFailure, its batch-mates behind it DUPLICATE (with claims, or
-            # offsets only by the records _by_offset writes for them and fence.recheck).
-            end = _past(batch.slots[-1].message.offset)
-            if whole and batch.plain and not failing:  # all of it, in order: past its last
-                next_offset = end
-            else:
-                next_offset = _next_offset(batch, {*handled, *failing}, hold_failed=True)
-            if fence.written is not None and (next_offset or 0) < fence.written:
-                next_offset = fence.written  # never back: what is below it committed before
-            elif next_offset is None and fence.written is None:
-                # Held at the partition's first record: stored as where to start, or a
-                # restart would start where the group's offset or auto_offset_reset says
-                # ("latest": past a FAILED record whose dead letter was not sent yet).
-                next_offset = batch.slots[0].message.offset
-            # Held before the chunk's end: records of this commit may stand past the offset,
-            # and a chunk read again below ``end`` looks its ids up (fence.recheck).
-            if next_offset is None or (end is not None and next_offset < end):
-                held_to = end
+            next_offset, held_to = _offset_write(batch, fence, handled, failing, whole)
             params = fence.params(next_offset, held_to)
             write = Execute(fence.statements.in_batch, params, fence.read)
             if not (yield from carry(write, after_handlers=bool(handled))):
@@ -561,6 +541,34 @@ def _next_offset(batch: Batch, committing: set[Item], hold_failed: bool = False)
             break
         last = slot.message.offset
     return None if last is None else last + 1
+
+
+def _offset_write(
+    batch: Batch, fence: OffsetFence, handled: list[Item], failing: list[Item], whole: bool
+) -> tuple[int | None, int | None]:
+    """The next offset a commit of ``handled`` and ``failing`` writes, and the chunk's end
+    if that offset is held before it (``held_to``: raises recheck_until), else None.
+
+    A FAILED record's offset waits for its dead letter (the runner moves it on once the
+    letter is sent): killed before, it is read again, and its record answers
+    RecordedFailure, its batch-mates behind it DUPLICATE (with claims, or offsets only by
+    the records _by_offset writes for them and fence.recheck)."""
+    end = _past(batch.slots[-1].message.offset)
+    if whole and batch.plain and not failing:  # all of it, in order: past its last
+        next_offset = end
+    else:
+        next_offset = _next_offset(batch, {*handled, *failing}, hold_failed=True)
+    if fence.written is not None and (next_offset or 0) < fence.written:
+        next_offset = fence.written  # never back: what is below it committed before
+    elif next_offset is None and fence.written is None:
+        # Held at the partition's first record: stored as where to start, or a restart
+        # would start where the group's offset or auto_offset_reset says ("latest": past a
+        # FAILED record whose dead letter was not sent yet).
+        next_offset = batch.slots[0].message.offset
+    # Held before the chunk's end: records of this commit may stand past the offset, and a
+    # chunk read again below ``end`` looks its ids up (fence.recheck).
+    held = next_offset is None or (end is not None and next_offset < end)
+    return next_offset, end if held else None
 
 
 def _past(offset: int | None) -> int | None:

@@ -182,9 +182,6 @@ class Batch:
     fence: OffsetFence | None = None
     """The source's position, written (fenced by its owner epoch) in every transaction of
     the batch (offset_fence)."""
-    plain: bool = False
-    """Every slot is an item of a key of its own: no refused delivery, no later copy of a
-    key (the usual batch: ``_commit`` and ``_by_offset`` skip their walks over the slots)."""
     twins: bool = False
     """A key comes more than once (its later copies follow its item)."""
     spent: dict[str, str] = field(default_factory=dict)
@@ -193,6 +190,12 @@ class Batch:
     one message's attempts, not every message's in turn. Another failure (one message
     type's missing table, after another's timeout) is not that outage: it is tried as any,
     or one message's fault would keep the healthy messages behind it untried for good."""
+
+    @property
+    def plain(self) -> bool:
+        """Every slot is an item of a key of its own: no refused delivery, no later copy of
+        a key (the usual batch: ``_commit`` and ``_by_offset`` skip their walks over it)."""
+        return len(self.items) == len(self.slots)
 
     def undecided(self) -> list[Item]:
         return [item for item in self.items if item.state is not State.DECIDED]
