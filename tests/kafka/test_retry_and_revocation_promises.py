@@ -106,7 +106,11 @@ async def test_a_retry_in_a_fetch_of_several_partitions_sends_back_only_its_own_
     assert others, f"the fetch held one partition only, the test proves nothing: {handled}"
     applied = ledger.applied()
     assert sorted(applied) == ids, state()  # each once, none dropped
-    assert run.outcomes == {Outcome.PROCESSED: len(ids), Outcome.RETRY: each}
+    # The retried record and those behind it in its chunk are RETRY: as many as the first
+    # fetch held of that partition, which is the broker's doing (all 8 mostly; 2 was seen).
+    assert set(run.outcomes) == {Outcome.PROCESSED, Outcome.RETRY}, run.outcomes
+    assert run.outcomes[Outcome.PROCESSED] == len(ids)
+    assert 1 <= run.outcomes[Outcome.RETRY] <= each, run.outcomes
     for partition in range(partitions):  # each in offset order, the retried one from 0 again
         offsets = [o for p, o in handled if p == partition]
         assert offsets == [0] * (partition == retried) + list(range(each)), partition
